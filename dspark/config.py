@@ -1,0 +1,130 @@
+"""Model configs. Field names are the keys people already have in their HF / DeepSpec `config.json`."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen3")
+
+
+def _known_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass
+class TargetConfig:
+    """A Llama-family (SmolLM2, Llama 3) or Qwen3 decoder. Small defaults, for tests."""
+
+    architecture: str = "llama"  # "llama" | "qwen3" (qwen3 adds per-head q_norm / k_norm)
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # Llama 3: {"rope_type": "llama3", "factor", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}; supported: {ARCHITECTURES}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        d = dict(d)
+        if "architecture" not in d:
+            d["architecture"] = _architecture_of(d)
+        return cls(**_known_fields(cls, d))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _architecture_of(d: dict[str, Any]) -> str:
+    model_type = d.get("model_type")
+    if model_type is None:
+        archs = d.get("architectures") or []
+        model_type = "qwen3" if any("Qwen3" in a for a in archs) else "llama" if archs else None
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHITECTURES}")
+    return model_type
+
+
+# DeepSpec / DFlash / TRT-LLM spell the DSpark switches several ways: a nested `dspark_config` or
+# `dflash_config`, a top-level `dspark_X`, or a top-level `X`.
+_DRAFTER_ALIASES = {"use_confidence_head": "enable_confidence_head", "max_draft_len": "block_size",
+                    "aux_hidden_state_layer_ids": "target_layer_ids", "noise_token_id": "mask_token_id"}
+
+
+@dataclass
+class DrafterConfig(TargetConfig):
+    """A DSpark drafter: Qwen3-style layers with KV injection of fused target features, a
+    non-causal block of `block_size` slots (anchor = first prediction slot), a low-rank Markov
+    head and an optional confidence head."""
+
+    architecture: str = "qwen3"
+    num_hidden_layers: int = 1
+    block_size: int = 7
+    target_layer_ids: list[int] = field(default_factory=lambda: [0])
+    num_target_layers: int | None = None
+    mask_token_id: int = 0
+    markov_rank: int = 16  # 0 = no Markov head (DFlash-style drafting)
+    markov_head_type: str = "vanilla"  # "vanilla" | "gated" | "rnn"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    sliding_window: int | None = None  # two-sided window over the context; None = full context
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"unknown markov_head_type {self.markov_head_type!r}")
+        ids = list(self.target_layer_ids)
+        if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"target_layer_ids must be non-empty and strictly increasing: {ids}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        flat = dict(d)
+        for nested in ("dflash_config", "dspark_config"):
+            flat.update(d.get(nested) or {})
+        for key in list(flat):
+            if key.startswith("dspark_"):
+                flat.setdefault(key[len("dspark_"):], flat[key])
+        for alias, name in _DRAFTER_ALIASES.items():
+            if alias in flat:
+                flat.setdefault(name, flat[alias])
+        flat.setdefault("architecture", "qwen3")
+        return cls(**_known_fields(cls, flat))
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, **overrides) -> "DrafterConfig":
+        """Copies the target's layer shapes (DeepSpec's build_draft_config), then applies overrides."""
+        shapes = {k: v for k, v in target.to_dict().items() if k not in ("architecture", "num_hidden_layers")}
+        shapes["num_target_layers"] = target.num_hidden_layers
+        return cls(**{**shapes, **overrides})

