@@ -1,0 +1,19 @@
+# The two commands a newcomer needs (see README): `make run` and `make test`.
+PY := .venv/bin/python
+PROMPT ?= Write a haiku about speculative decoding.
+
+.PHONY: setup run test test-gpu
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	$(PY) -m dspark.generate --chat --prompt "$(PROMPT)"
+
+test:
+	bash scripts/setup.sh --test
+	$(PY) -m pytest tests --ignore=tests/interpret -q
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/interpret -q
+
+test-gpu:
+	$(PY) -m pytest tests -m gpu -q
