@@ -1,0 +1,150 @@
+"""DSpark drafter checkpoints in DeepSpec's format: a folder with config.json and *.safetensors, tensor
+names as in DeepSpec's `Qwen3DSparkModel` (fc, hidden_norm, layers.{i}.*, norm, embed_tokens, lm_head,
+markov_head.*, confidence_head.proj.*). DFlash-format DSpark drafts name the heads' tensors
+`markov_w1.weight`, `markov_w2.weight` and `confidence_proj.*` at top level; those load too.
+
+A checkpoint without embed_tokens / lm_head (z-lab style) shares the target's. Loading is strict:
+a missing, unexpected or misshapen tensor, or a config that does not fit the target, raises an error
+naming the file and the tensor or key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.drafter import DSparkDrafter
+from dspark.layers import rope_inv_freq
+from dspark.target import TargetModel
+
+CHECKPOINT_FILE = "model.safetensors"
+_TENSOR_ALIASES = {
+    "markov_w1.weight": "markov_head.markov_w1.weight",
+    "markov_w2.weight": "markov_head.markov_w2.weight",
+    "confidence_proj.weight": "confidence_head.proj.weight",
+    "confidence_proj.bias": "confidence_head.proj.bias",
+}
+
+
+def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> DSparkDrafter:
+    """Loads a DeepSpec-format drafter for `target`, in the target's dtype and device unless given."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    config = _read_config(config_file)
+    _check_fits_target(config, target.config, config_file)
+    tensors = _read_tensors(folder)
+
+    reference = target.embed_tokens.weight
+    dtype = dtype or reference.dtype
+    device = torch.device(device) if device is not None else reference.device
+    with torch.device("meta"):  # no random init: every own parameter is replaced below
+        drafter = DSparkDrafter(config,
+                                embed_tokens=None if "embed_tokens.weight" in tensors else target.embed_tokens,
+                                lm_head=None if "lm_head.weight" in tensors else target.lm_head)
+    shapes = {name: t.shape for name, t in _own_state(drafter).items()}
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{folder}: missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(set(tensors) - set(shapes))
+    if unexpected:
+        file, source, _ = tensors[unexpected[0]]
+        raise ValueError(f"{folder / file}: unexpected tensor {source!r}")
+
+    state = {}
+    for name, shape in shapes.items():
+        file, source, read = tensors[name]
+        tensor = read()
+        if tensor.shape != shape:
+            raise ValueError(f"{folder / file}: tensor {source!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(shape)}")
+        # A copy: own, aligned memory rather than a view into the file's buffer.
+        state[name] = tensor.to(device=device, dtype=dtype, copy=True)
+    drafter.load_state_dict(state, strict=False, assign=True)
+    drafter.inv_freq = rope_inv_freq(config).to(device)  # a buffer, not in checkpoints: still on meta
+    return drafter
+
+
+def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
+    """Writes config.json and model.safetensors. Embeddings / lm_head shared with the target are
+    not written; loading shares the target's again."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**drafter.config.to_dict(), "use_sliding_window": drafter.config.sliding_window is not None}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
+    save_file(state, str(folder / CHECKPOINT_FILE))
+
+
+def _own_state(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's state dict without the modules it shares with the target."""
+    return {name: t for name, t in drafter.state_dict().items()
+            if name.split(".", 1)[0] not in drafter.shared_modules}
+
+
+def _read_config(config_file: Path) -> DrafterConfig:
+    raw = json.loads(config_file.read_text())
+    try:
+        return dataclasses.replace(DrafterConfig.from_dict(raw), sliding_window=_sliding_window(raw))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The window, honouring the switches that HF and DFlash configs keep next to the size: HF's
+    `sliding_window` is often set while `use_sliding_window` is false; z-lab's DFlash drafts use
+    dflash_config.{use_swa, swa_window_size}; `layer_types` lists "sliding_attention" layers."""
+    d = {**raw, **(raw.get("dflash_config") or {}), **(raw.get("dspark_config") or {})}
+    switches = [bool(d[key]) for key in ("use_sliding_window", "use_swa") if key in d]
+    if "layer_types" in d:
+        kinds = set(d["layer_types"])
+        if len(kinds) > 1:
+            raise ValueError(f"layer_types mixes {sorted(kinds)}; one attention kind for all layers is supported")
+        switches.append(kinds == {"sliding_attention"})
+    window = d.get("swa_window_size") or d.get("sliding_window")
+    return window if all(switches) else None
+
+
+def _check_fits_target(config: DrafterConfig, target: TargetConfig, config_file: Path) -> None:
+    for key in ("vocab_size", "hidden_size"):
+        if getattr(config, key) != getattr(target, key):
+            raise ValueError(f"{config_file}: {key} {getattr(config, key)} does not match the target's "
+                             f"{getattr(target, key)}")
+    layers = target.num_hidden_layers
+    if config.num_target_layers is not None and config.num_target_layers != layers:
+        raise ValueError(f"{config_file}: num_target_layers {config.num_target_layers} does not match the "
+                         f"target's {layers} layers")
+    # DeepSpec forbids the last layer: its drafters never see it (HF's last hidden state is post-norm).
+    if not all(-1 <= i <= layers - 2 for i in config.target_layer_ids):
+        raise ValueError(f"{config_file}: target_layer_ids {config.target_layer_ids} are out of range for a "
+                         f"{layers}-layer target: ids run from -1 (embeddings) to {layers - 2} (the last "
+                         f"layer is excluded, as in DeepSpec)")
+    if not 0 <= config.mask_token_id < config.vocab_size:
+        raise ValueError(f"{config_file}: mask_token_id {config.mask_token_id} is outside the vocabulary "
+                         f"[0, {config.vocab_size})")
+
+
+def _read_tensors(folder: Path) -> dict[str, tuple[str, str, Any]]:
+    """Drafter tensor name -> (file name, name in the file, function that reads it)."""
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    tensors = {}
+    for file in files:
+        handle = safe_open(folder / file, framework="pt")
+        for source in handle.keys():
+            name = _TENSOR_ALIASES.get(source, source)
+            if name in tensors:
+                raise ValueError(f"{folder / file}: tensor {source!r} is also in {tensors[name][0]}")
+            tensors[name] = (file, source, partial(handle.get_tensor, source))
+    return tensors

@@ -1,0 +1,327 @@
+"""The DSpark drafter: a few Qwen3-style layers that draft a block of K tokens in one parallel forward.
+
+Module and tensor names follow DeepSpec's `Qwen3DSparkModel`, so its checkpoints load by name.
+
+- Context features. The target's chosen layer outputs, concatenated, are fused once into
+  H_ctx = hidden_norm(fc(features)). Every layer projects the same H_ctx with its own k_proj / v_proj
+  (+ k_norm, RoPE at the tokens' absolute positions), without its input_layernorm ("KV injection").
+  These keys and values are computed once per context token and kept in a per-layer cache.
+- The block. Inputs [anchor, mask x (K-1)] at positions start .. start+K-1; slot k predicts the token
+  at start+k+1 (the anchor is the first prediction slot). Queries come only from the block. A block
+  sees its own keys in both directions and the context strictly before `start`: the anchor's own
+  target features only arrive with the next verification.
+- Optional two-sided sliding window W (flash-attention's non-causal window (W-1, W-1)): the query at
+  position p sees keys at positions p-W+1 .. p+W-1 among those above.
+
+At inference the block attention is two partial attentions over disjoint key sets, the context and
+the block's own keys, joined with dspark::lse_merge. With a window, only the last W-1 context
+positions are read from the cache. Training (`forward_train`) runs many blocks per sequence through
+one SDPA with DeepSpec's block mask.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge)
+from dspark.config import DrafterConfig
+from dspark.layers import AttentionProjections, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from dspark.markov import build_markov_head
+
+
+class ContextCache(nn.Module):
+    """One layer's keys and values of the injected context, at (cache row, absolute position).
+    Buffers, so compiled steps and CUDA graphs update them in place."""
+
+    def __init__(self, max_batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape = (max_batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # rows: [B]; positions: [B, T]; k, v: [B, num_kv_heads, T, head_dim]
+        self.k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
+        self.v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
+
+    def read(self, rows: torch.Tensor | None, batch: int, positions: torch.Tensor | None):
+        # rows: [B] or None for rows 0..B-1; positions: [B, S] or None for all
+        # -> k, v: [B, num_kv_heads, S or max_seq_len, head_dim]
+        if positions is not None:
+            index = torch.arange(batch, device=positions.device) if rows is None else rows
+            k = self.k_cache[index[:, None], :, positions]
+            v = self.v_cache[index[:, None], :, positions]
+            return k.transpose(1, 2), v.transpose(1, 2)
+        if rows is None:
+            return self.k_cache[:batch], self.v_cache[:batch]
+        return self.k_cache[rows], self.v_cache[rows]
+
+
+def context_visible(key_pos: torch.Tensor, query_pos: torch.Tensor, block_start: torch.Tensor,
+                    window: int | None) -> torch.Tensor:
+    """Which context keys each block query sees: positions in [0, block start), and within the
+    window of the query if there is one.
+
+    key_pos: [B or 1, S]; query_pos, block_start: [B, T] (or broadcastable) -> [B, T, S] bool
+    """
+    key_pos, query_pos = key_pos[:, None, :], query_pos[..., None]
+    visible = (key_pos >= 0) & (key_pos < block_start[..., None])
+    if window is not None:
+        visible = visible & (query_pos - key_pos < window)
+    return visible
+
+
+def block_visible(block_size: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which keys of its own block a block query sees: all of them, or those within the window."""
+    if window is None:
+        return None
+    offset = torch.arange(block_size, device=device)
+    return ((offset[:, None] - offset[None, :]).abs() < window)[None]
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q over the visible keys, and its natural-log log-sum-exp. A query that
+    sees no key gets o = 0 and lse = -inf. Query heads sharing a KV head are folded into extra rows.
+
+    q: [B, H, T, D]; k, v: [B, H_kv, S, D]; visible: [B or 1, T, S] bool or None (all)
+    -> o [B, H, T, D] in v's dtype, lse [B, H, T] float32
+    """
+    batch, num_heads, length, head_dim = q.shape
+    num_kv_heads, keys = k.shape[1], k.shape[2]
+    groups = num_heads // num_kv_heads
+    q = q.reshape(batch, num_kv_heads, groups * length, head_dim)
+    scores = (q @ k.transpose(-1, -2)).float().view(batch, num_kv_heads, groups, length, keys) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    lse = scores.logsumexp(-1)
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+    o = probs.to(v.dtype).view(batch, num_kv_heads, groups * length, keys) @ v
+    return o.view(batch, num_heads, length, head_dim), lse.view(batch, num_heads, length)
+
+
+def merged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context_k: torch.Tensor,
+                           context_v: torch.Tensor, context_visible: torch.Tensor,
+                           block_visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Inference attention of one block: over the context keys and over the block's own keys,
+    merged by log-sum-exp.
+
+    q: [B, H, K, D]; k, v: [B, H_kv, K, D] (the block's); context_k, context_v: [B, H_kv, S, D];
+    context_visible: [B, K or 1, S]; block_visible: [1, K, K] or None -> [B, H, K, D]
+    """
+    batch, num_heads, length, head_dim = q.shape
+    o_ctx, lse_ctx = partial_attention(q, context_k, context_v, context_visible, scale)
+    o_blk, lse_blk = partial_attention(q, k, v, block_visible, scale)
+
+    def tokens_first(x: torch.Tensor) -> torch.Tensor:  # [B, H, K, ...] -> [B*K, H, ...]
+        return x.transpose(1, 2).reshape(batch * length, num_heads, *x.shape[3:])
+
+    o, _ = torch.ops.dspark.lse_merge(tokens_first(o_ctx), tokens_first(lse_ctx),
+                                      tokens_first(o_blk), tokens_first(lse_blk))
+    return o.view(batch, length, num_heads, head_dim).transpose(1, 2)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context_k: torch.Tensor,
+                     context_v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Training attention: one SDPA over [context | all blocks] with a boolean mask.
+
+    q: [B, H, T, D]; k, v: [B, H_kv, T, D]; context_k, context_v: [B, H_kv, S, D];
+    visible: [B, T, S + T] -> [B, H, T, D]
+    """
+    keys, values = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], scale=scale,
+                                          enable_gqa=True)
+
+
+class DrafterLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention is handed in: the block's queries attend over the
+    block's keys and the injected context's (which `attend` brings, from the cache or computed)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = AttentionProjections(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+        self.context_cache: ContextCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        # x: [B, T, hidden] block slots; cos, sin: [B, T, head_dim];
+        # attend(q [B, H, T, D], k, v [B, H_kv, T, D]) -> [B, H, T, D]
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, cos, sin)
+        k, v = self.self_attn.keys_values(h, cos, sin)
+        x = x + self.self_attn.output(attend(q, k, v))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(proj([h_k ; W1[x_{k-1}]])), or sigmoid(proj(h_k)) without the Markov input: the
+    chance that draft k survives verification given that all drafts before it did (DeepSpec's
+    AcceptRatePredictor). Returns the logit."""
+
+    def __init__(self, hidden_size: int, markov_rank: int):
+        super().__init__()
+        self.markov_rank = markov_rank
+        self.proj = nn.Linear(hidden_size + markov_rank, 1)
+
+    def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None) -> torch.Tensor:
+        # hidden: [B, K, hidden]; prev_embedding: [B, K, markov_rank] or None -> [B, K]
+        if self.markov_rank:
+            if prev_embedding is None:
+                raise ValueError("this confidence head reads [hidden ; markov_w1[prev]]: pass prev_embedding")
+            hidden = torch.cat([hidden, prev_embedding], dim=-1)
+        return self.proj(hidden).squeeze(-1)
+
+
+class DSparkDrafter(nn.Module):
+    """DSpark drafter. `embed_tokens` / `lm_head` are the target's when given (shared, not copied);
+    otherwise the drafter makes its own, for a checkpoint to fill."""
+
+    def __init__(self, config: DrafterConfig, embed_tokens: nn.Embedding | None = None,
+                 lm_head: nn.Linear | None = None):
+        super().__init__()
+        if config.sliding_window is not None and config.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {config.sliding_window}")
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.shared_modules = {name for name, m in (("embed_tokens", embed_tokens), ("lm_head", lm_head))
+                               if m is not None}
+        self.embed_tokens = nn.Embedding(config.vocab_size, d) if embed_tokens is None else embed_tokens
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False) if lm_head is None else lm_head
+        self.markov_head = build_markov_head(config)
+        markov_input = config.markov_rank if config.confidence_head_with_markov else 0  # rank 0: no head
+        self.confidence_head = ConfidenceHead(d, markov_input) if config.enable_confidence_head else None
+        # float32 whatever the weights' dtype: build the model in its dtype rather than casting it.
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.scale = config.head_dim ** -0.5
+        self.max_seq_len: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocates each layer's context cache (static shape) in the drafter's dtype and device."""
+        c, weight = self.config, self.fc.weight
+        for layer in self.layers:
+            layer.context_cache = ContextCache(max_batch_size, c.num_key_value_heads, max_seq_len,
+                                               c.head_dim, weight.dtype, weight.device)
+        self.max_seq_len = max_seq_len
+
+    def _check_caches(self) -> None:
+        if self.max_seq_len is None:
+            raise RuntimeError("the drafter has no context cache: call setup_caches first")
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        # features: [B, T, m * hidden] target layer outputs -> H_ctx [B, T, hidden]
+        return self.hidden_norm(self.fc(features))
+
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> None:
+        """Writes the context keys/values of every layer for these tokens at (rows, positions).
+
+        features: [B, T, m * hidden]; positions: [B, T]; rows: [B] cache rows (default 0..B-1).
+        Positions at or after a later block's `start` are masked out of that block, so a caller may
+        write a fixed-width chunk of which only a prefix is verified; those slots get rewritten.
+        """
+        self._check_caches()
+        context = self.fuse_context(features)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        if rows is None:
+            rows = torch.arange(positions.shape[0], device=positions.device)
+        for layer in self.layers:
+            k, v = layer.self_attn.keys_values(context, cos, sin)
+            layer.context_cache.write(rows, positions, k, v)
+
+    def forward_block(self, anchor: torch.Tensor, start: torch.Tensor,
+                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts one block per row: inputs [anchor, mask x (K-1)] at positions start .. start+K-1
+        over the cached context at positions < start (without a window, the whole cache is read and
+        masked; with one, only the W-1 positions before start).
+
+        anchor, start: [B] long; rows: [B] cache rows (default 0..B-1)
+        -> base logits [B, K, vocab] float32 (slot k predicts the token at start+k+1) and the
+        final-norm hidden states [B, K, hidden] that the Markov and confidence heads read.
+        """
+        self._check_caches()
+        c, K = self.config, self.block_size
+        batch, device = anchor.shape[0], anchor.device
+        offsets = torch.arange(K, device=device)
+        tokens = torch.cat([anchor[:, None], anchor.new_full((batch, K - 1), c.mask_token_id)], dim=1)
+        positions = start[:, None] + offsets
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+
+        window = c.sliding_window
+        if window is None:  # the whole cache, masked at the block start
+            key_pos = torch.arange(self.max_seq_len, device=device)[None]
+            read_pos = None
+        else:  # only the W-1 positions before the block can be in any query's window
+            key_pos = start[:, None] - (window - 1) + torch.arange(window - 1, device=device)
+            read_pos = key_pos.clamp_min(0)
+        visible = context_visible(key_pos, positions, start[:, None], window)
+        visible_in_block = block_visible(K, window, device)
+
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            context_k, context_v = layer.context_cache.read(rows, batch, read_pos)
+            attend = partial(merged_block_attention, context_k=context_k, context_v=context_v,
+                             context_visible=visible, block_visible=visible_in_block, scale=self.scale)
+            x = layer(x, cos, sin, attend)
+        hidden = self.norm(x)
+        return self.lm_head(hidden).float(), hidden
+
+    def forward_train(self, features: torch.Tensor, tokens: torch.Tensor,
+                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts N blocks per sequence in one forward, for training: block n is
+        [tokens[anchors[n]], mask x (K-1)] at positions anchors[n] .. anchors[n]+K-1, and sees the
+        context before its anchor and its own slots, never another block (DeepSpec's block mask).
+
+        features: [B, S, m * hidden] target features of positions 0..S-1; tokens: [B, S];
+        anchors: [B, N] positions in [0, S) -> logits [B, N, K, vocab] float32, hidden [B, N, K, hidden]
+        """
+        c, K = self.config, self.block_size
+        (batch, length), num_blocks, device = tokens.shape, anchors.shape[1], tokens.device
+        context = self.fuse_context(features)
+        context_pos = torch.arange(length, device=device).expand(batch, length)
+        context_cos, context_sin = rope_cos_sin(self.inv_freq, context_pos)
+
+        block_tokens = tokens.new_full((batch, num_blocks, K), c.mask_token_id)
+        block_tokens[:, :, 0] = tokens.gather(1, anchors)
+        offsets = torch.arange(K, device=device)
+        positions = (anchors[..., None] + offsets).flatten(1)  # [B, N*K]
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+
+        block_start = anchors.repeat_interleave(K, dim=1)
+        to_context = context_visible(context_pos, positions, block_start, c.sliding_window)
+        block_id = torch.arange(num_blocks, device=device).repeat_interleave(K)
+        to_blocks = (block_id[:, None] == block_id[None, :])[None]  # [1, N*K, N*K]
+        if c.sliding_window is not None:
+            to_blocks = to_blocks & block_visible(K, c.sliding_window, device).repeat(1, num_blocks, num_blocks)
+        visible = torch.cat([to_context, to_blocks.expand(batch, -1, -1)], dim=-1)
+
+        x = self.embed_tokens(block_tokens.flatten(1))
+        for layer in self.layers:
+            context_k, context_v = layer.self_attn.keys_values(context, context_cos, context_sin)
+            attend = partial(masked_attention, context_k=context_k, context_v=context_v, visible=visible,
+                             scale=self.scale)
+            x = layer(x, cos, sin, attend)
+        hidden = self.norm(x).view(batch, num_blocks, K, -1)
+        return self.lm_head(hidden).float(), hidden
+
+    def confidence(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """Confidence logits [B, K] from hidden [B, K, hidden] and, for a head trained with the Markov
+        input, prev_embedding [B, K, rank] = markov_w1[token before each slot]."""
+        if self.confidence_head is None:
+            raise RuntimeError("this drafter has no confidence head (enable_confidence_head is false)")
+        return self.confidence_head(hidden, prev_embedding)

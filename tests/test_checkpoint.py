@@ -1,0 +1,172 @@
+"""DeepSpec-format drafter checkpoints: save / load round trips, spellings, and strict errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.checkpoint import load_drafter, save_drafter
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.drafter import DSparkDrafter
+from dspark.target import TargetModel
+
+TARGET = TargetConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)
+
+
+def make_target(config=TARGET):
+    torch.manual_seed(0)
+    return TargetModel(config)
+
+
+def make_config(**overrides):
+    settings = dict(num_hidden_layers=2, block_size=3, target_layer_ids=[0, 2], mask_token_id=79,
+                    markov_rank=8, enable_confidence_head=True)
+    return DrafterConfig.for_target(TARGET, **{**settings, **overrides})
+
+
+def make_drafter(target=None, **overrides):
+    torch.manual_seed(1)
+    shared = {} if target is None else dict(embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    return DSparkDrafter(make_config(**overrides), **shared)
+
+
+@torch.no_grad()
+def outputs(drafter):
+    """Everything the decoder reads from a drafter: base logits, hidden, Markov bias, confidence."""
+    g = torch.Generator().manual_seed(2)
+    drafter.setup_caches(2, 16)
+    drafter.append_context(torch.randn(2, 10, 64, generator=g), torch.arange(10).expand(2, 10))
+    anchor = torch.tensor([3, 5])
+    logits, hidden = drafter.forward_block(anchor, torch.tensor([6, 10]))
+    prev = drafter.markov_head.markov_w1(anchor)[:, None].expand(-1, 3, -1)
+    return logits, hidden, drafter.markov_head.bias(prev, hidden, None)[0], drafter.confidence(hidden, prev)
+
+
+def assert_same_outputs(a, b):
+    for x, y in zip(outputs(a), outputs(b)):
+        assert torch.equal(x, y)
+
+
+def test_round_trip_sharing_the_targets_embeddings(tmp_path):
+    target = make_target()
+    drafter = make_drafter(target, sliding_window=4)
+    save_drafter(drafter, tmp_path)
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(load_file(tmp_path / "model.safetensors"))
+
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config == drafter.config
+    assert loaded.embed_tokens is target.embed_tokens and loaded.lm_head is target.lm_head
+    assert_same_outputs(loaded, drafter)
+
+
+def test_round_trip_with_own_embeddings(tmp_path):
+    target = make_target()
+    drafter = make_drafter(markov_head_type="gated")
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.embed_tokens is not target.embed_tokens
+    assert torch.equal(loaded.lm_head.weight, drafter.lm_head.weight)
+    assert_same_outputs(loaded, drafter)
+
+
+def test_loads_in_the_asked_dtype_with_float32_rope(tmp_path):
+    target = make_target()
+    save_drafter(make_drafter(), tmp_path)
+    loaded = load_drafter(tmp_path, target, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded.inv_freq.dtype == torch.float32 and loaded.inv_freq.device.type == "cpu"
+
+
+def write_deepspec_folder(folder, drafter, config_update, renames=None):
+    """A checkpoint as another tool writes it: config keys spelled its way, tensors renamed."""
+    save_drafter(drafter, folder)
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+              if k not in {"block_size", "target_layer_ids", "mask_token_id", "markov_rank",
+                           "enable_confidence_head", "sliding_window", "use_sliding_window"}}
+    (folder / "config.json").write_text(json.dumps({**config, **config_update}))
+    tensors = load_file(folder / "model.safetensors")
+    save_file({(renames or {}).get(k, k): v for k, v in tensors.items()}, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("spelling", [
+    {"dflash_config": {"block_size": 3, "target_layer_ids": [0, 2], "mask_token_id": 79, "markov_rank": 8,
+                       "use_confidence_head": True}},
+    {"dspark_config": {"block_size": 3, "markov_rank": 8}, "dspark_target_layer_ids": [0, 2],
+     "dspark_noise_token_id": 79, "enable_confidence_head": True},
+    {"block_size": 3, "aux_hidden_state_layer_ids": [0, 2], "mask_token_id": 79, "dspark_markov_rank": 8,
+     "use_confidence_head": True, "sliding_window": 4096, "use_sliding_window": False},
+])
+def test_deepspec_config_spellings_load(tmp_path, spelling):
+    target = make_target()
+    drafter = make_drafter(target)
+    write_deepspec_folder(tmp_path, drafter, spelling)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config == drafter.config
+    assert_same_outputs(loaded, drafter)
+
+
+def test_dflash_format_head_tensors_and_window_switch_load(tmp_path):
+    target = make_target()
+    drafter = make_drafter(target, sliding_window=5)
+    renames = {"markov_head.markov_w1.weight": "markov_w1.weight",
+               "markov_head.markov_w2.weight": "markov_w2.weight",
+               "confidence_head.proj.weight": "confidence_proj.weight",
+               "confidence_head.proj.bias": "confidence_proj.bias"}
+    dflash_config = {"block_size": 3, "target_layer_ids": [0, 2], "mask_token_id": 79, "markov_rank": 8,
+                     "use_confidence_head": True, "use_swa": True, "swa_window_size": 5}
+    write_deepspec_folder(tmp_path, drafter, {"dflash_config": dflash_config}, renames)
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config.sliding_window == 5
+    assert_same_outputs(loaded, drafter)
+
+
+def edit_tensors(folder, edit):
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    edit_tensors(tmp_path, lambda t: t.pop("layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.self_attn\.k_norm\.weight'"):
+        load_drafter(tmp_path, make_target())
+
+
+def test_unexpected_tensor_is_named_with_its_file(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    edit_tensors(tmp_path, lambda t: t.update({"layers.2.mlp.up_proj.weight": torch.zeros(64, 32)}))
+    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor 'layers\.2\.mlp\.up_proj"):
+        load_drafter(tmp_path, make_target())
+
+
+def test_misshapen_tensor_is_named_with_its_file(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    edit_tensors(tmp_path, lambda t: t.update({"fc.weight": torch.zeros(32, 96)}))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'fc\.weight' has shape \(32, 96\), "
+                                         r"expected \(32, 64\)"):
+        load_drafter(tmp_path, make_target())
+
+
+@pytest.mark.parametrize("drafter_change, target_change, message", [
+    ({}, dict(vocab_size=81), "vocab_size 80 does not match the target's 81"),
+    ({}, dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2),
+     "hidden_size 32 does not match the target's 48"),
+    ({}, dict(num_hidden_layers=5), "num_target_layers 4 does not match the target's 5 layers"),
+    # DeepSpec never feeds the drafter the target's last layer
+    (dict(target_layer_ids=[0, 3]), {}, r"target_layer_ids \[0, 3\] are out of range for a 4-layer target"),
+    (dict(target_layer_ids=[-2, 1]), {}, r"target_layer_ids \[-2, 1\] are out of range"),
+    (dict(mask_token_id=80), {}, r"mask_token_id 80 is outside the vocabulary \[0, 80\)"),
+])
+def test_config_that_does_not_fit_the_target_is_refused(tmp_path, drafter_change, target_change, message):
+    save_drafter(make_drafter(**drafter_change), tmp_path)
+    target = make_target(TargetConfig(**{**TARGET.to_dict(), "head_dim": None, **target_change}))
+    with pytest.raises(ValueError, match=r"config\.json: " + message):
+        load_drafter(tmp_path, target)
+
+
+def test_embedding_output_is_a_valid_target_layer(tmp_path):
+    drafter = make_drafter(target_layer_ids=[-1, 2])
+    save_drafter(drafter, tmp_path)
+    assert_same_outputs(load_drafter(tmp_path, make_target()), drafter)
