@@ -58,10 +58,20 @@ class TargetConfig:
         d = dict(d)
         if "architecture" not in d:
             d["architecture"] = _architecture_of(d)
+        _flatten_rope_parameters(d)
         return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _flatten_rope_parameters(d: dict[str, Any]) -> None:
+    """transformers >= 5 saves `rope_theta` and `rope_scaling` together as `rope_parameters`."""
+    rope = dict(d.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        d.setdefault("rope_theta", rope.pop("rope_theta"))
+    if rope.get("rope_type", "default") != "default" and not d.get("rope_scaling"):
+        d["rope_scaling"] = rope
 
 
 def _architecture_of(d: dict[str, Any]) -> str:

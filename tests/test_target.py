@@ -1,0 +1,210 @@
+"""TargetModel: the cached forward (prefill, decode, ragged batches, rewrites) equals the plain
+causal forward; hidden-layer outputs are the residual stream; it compiles with fullgraph."""
+import pytest
+import torch
+import torch._dynamo.testing
+
+from dspark.config import TargetConfig
+from dspark.layers import rope_inv_freq
+from dspark.target import TargetModel
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+VARIANTS = {
+    "llama-tied": dict(architecture="llama", tie_word_embeddings=True),
+    "llama-untied": dict(architecture="llama", tie_word_embeddings=False),
+    "llama3-scaled": dict(architecture="llama", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0),
+    "qwen3": dict(architecture="qwen3", tie_word_embeddings=False, head_dim=24),
+}
+TOL = 1e-5  # float32 rounding: attention over a cache vs over the sequence sums in another order
+
+
+def make_model(seed=0, **overrides) -> TargetModel:
+    torch.manual_seed(seed)
+    config = TargetConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                          num_attention_heads=6, num_key_value_heads=2, **overrides)
+    model = TargetModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms: not all ones, so that a skipped or misplaced norm shows
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def full_forward(model, tokens, ids=()):
+    # tokens: [T] -> logits [T, V], hidden [T, ...] of the plain causal forward (call before setup_caches)
+    logits, hidden = model(tokens[None], torch.arange(len(tokens))[None], hidden_layer_ids=ids)
+    return logits[0], None if hidden is None else hidden[0]
+
+
+def make_model_like(model):
+    copy = TargetModel(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@torch.no_grad()
+def test_prefill_then_decode_matches_full_forward(variant):
+    model = make_model(**VARIANTS[variant])
+    tokens = torch.randint(0, 97, (12,))
+    ids = (-1, 0, 2)
+    ref_logits, ref_hidden = full_forward(model, tokens, ids)
+
+    model.setup_caches(max_batch_size=1, max_seq_len=32)
+    logits, hidden = model(tokens[None, :5], torch.arange(5)[None], hidden_layer_ids=ids)
+    torch.testing.assert_close(logits[0], ref_logits[:5], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(hidden[0], ref_hidden[:5], atol=TOL, rtol=TOL)
+    for t in range(5, 12):
+        logits, hidden = model(tokens[None, t:t + 1], torch.tensor([[t]]), hidden_layer_ids=ids)
+        torch.testing.assert_close(logits[0, 0], ref_logits[t], atol=TOL, rtol=TOL)
+        torch.testing.assert_close(hidden[0, 0], ref_hidden[t], atol=TOL, rtol=TOL)
+
+
+@torch.no_grad()
+def test_causal_forward_does_not_see_later_tokens():
+    model = make_model()
+    a = torch.randint(0, 97, (1, 10))
+    b = a.clone()
+    b[0, 6:] = (b[0, 6:] + 1) % 97
+    pos = torch.arange(10)[None]
+    la, lb = model(a, pos)[0], model(b, pos)[0]
+    torch.testing.assert_close(la[:, :6], lb[:, :6], atol=0, rtol=0)
+    assert (la[:, 6:] - lb[:, 6:]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_ragged_batch_with_rows_matches_full_forward():
+    model = make_model(architecture="qwen3")
+    seqs = {2: torch.randint(0, 97, (11,)), 0: torch.randint(0, 97, (8,))}  # cache row -> tokens
+    refs = {row: full_forward(model, s)[0] for row, s in seqs.items()}
+    model.setup_caches(max_batch_size=3, max_seq_len=16)
+    prompt_len = {2: 6, 0: 3}
+    for row, s in seqs.items():  # prefill each request into its own row
+        n = prompt_len[row]
+        logits, _ = model(s[None, :n], torch.arange(n)[None], rows=torch.tensor([row]))
+        torch.testing.assert_close(logits[0], refs[row][:n], atol=TOL, rtol=TOL)
+
+    rows = torch.tensor([2, 0])
+    # a 2-token step (like verifying a draft), then single tokens, at different positions per row
+    for step in (2, 1, 1, 1):
+        pos = torch.stack([torch.arange(prompt_len[r], prompt_len[r] + step) for r in rows.tolist()])
+        tokens = torch.stack([seqs[r][p] for r, p in zip(rows.tolist(), pos)])
+        logits, _ = model(tokens, pos, rows=rows)
+        for i, r in enumerate(rows.tolist()):
+            torch.testing.assert_close(logits[i], refs[r][pos[i]], atol=TOL, rtol=TOL)
+            prompt_len[r] += step
+
+
+@torch.no_grad()
+def test_rejected_tokens_are_masked_then_overwritten():
+    model = make_model()
+    accepted = torch.randint(0, 97, (9,))
+    ref = full_forward(model, accepted)[0]
+    model.setup_caches(max_batch_size=1, max_seq_len=16)
+    model(accepted[None, :5], torch.arange(5)[None])
+    # a draft of 4 tokens at positions 5..8 of which none is accepted: its k/v stay in the cache
+    model(torch.randint(0, 97, (1, 4)), torch.arange(5, 9)[None])
+    # the accepted token at 5 must not see the stale entries at 6..8, and rewrites them
+    logits, _ = model(accepted[None, 5:6], torch.tensor([[5]]))
+    torch.testing.assert_close(logits[0, 0], ref[5], atol=TOL, rtol=TOL)
+    logits, _ = model(accepted[None, 6:9], torch.arange(6, 9)[None])
+    torch.testing.assert_close(logits[0], ref[6:9], atol=TOL, rtol=TOL)
+
+
+def test_tied_and_untied_embeddings():
+    tied, untied = make_model(tie_word_embeddings=True), make_model(tie_word_embeddings=False)
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.embed_tokens.weight
+    assert "lm_head.weight" not in dict(tied.named_parameters())
+    assert isinstance(tied.embed_tokens, torch.nn.Embedding) and isinstance(tied.lm_head, torch.nn.Linear)
+
+
+def test_module_names_match_hf():
+    names = set(make_model(architecture="qwen3", tie_word_embeddings=False).state_dict())
+    layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight"}
+    expected = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+    expected |= {f"layers.{i}.{n}" for i in range(3) for n in layer}
+    assert names == expected
+
+
+def test_llama3_rope_scaling_changes_low_frequencies_only():
+    c = TargetConfig(head_dim=64, num_attention_heads=1, num_key_value_heads=1, rope_theta=500000.0)
+    scaled_config = TargetConfig(**{**c.to_dict(), "rope_scaling": LLAMA3_SCALING})
+    plain, scaled = rope_inv_freq(c), rope_inv_freq(scaled_config)
+    wavelen = 2 * torch.pi / plain
+    old_len, factor = 64, 8.0
+    high = wavelen < old_len / 4  # short wavelengths: unchanged
+    low = wavelen > old_len / 1  # long wavelengths: slowed down by `factor`
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / factor)
+    smooth = (old_len / wavelen[mid] - 1) / (4 - 1)
+    torch.testing.assert_close(scaled[mid], (1 - smooth) * plain[mid] / factor + smooth * plain[mid])
+
+    # the model uses them: same weights, different positions' outputs
+    model = make_model(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)
+    unscaled = TargetModel(TargetConfig(**{**model.config.to_dict(), "rope_scaling": None})).eval()
+    unscaled.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model.inv_freq, rope_inv_freq(model.config))
+    tokens, pos = torch.randint(0, 97, (1, 8)), torch.arange(8)[None]
+    with torch.no_grad():
+        a, b = model(tokens, pos)[0], unscaled(tokens, pos)[0]
+    assert (a[0, 1:] - b[0, 1:]).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_hidden_layers_are_the_residual_stream():
+    model = make_model(tie_word_embeddings=False)
+    tokens, pos = torch.randint(0, 97, (2, 6)), torch.arange(6).expand(2, 6)
+    captured = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda mod, args, out, i=i: captured.__setitem__(i, out))
+    logits, hidden = model(tokens, pos, hidden_layer_ids=(2, -1, 0))
+    d = model.config.hidden_size
+    assert hidden.shape == (2, 6, 3 * d)
+    torch.testing.assert_close(hidden[..., :d], captured[2], atol=0, rtol=0)
+    torch.testing.assert_close(hidden[..., d:2 * d], model.embed_tokens(tokens), atol=0, rtol=0)
+    torch.testing.assert_close(hidden[..., 2 * d:], captured[0], atol=0, rtol=0)
+    torch.testing.assert_close(model.lm_head(model.norm(hidden[..., :d])), logits, atol=0, rtol=0)
+    assert model(tokens, pos)[1] is None
+    with pytest.raises(ValueError, match="hidden layer id 3"):
+        model(tokens, pos, hidden_layer_ids=(3,))
+
+
+@torch.no_grad()
+def test_dtype_of_caches_logits_and_hidden():
+    model = make_model().to(torch.bfloat16)
+    model.setup_caches(max_batch_size=2, max_seq_len=8)
+    assert model.layers[0].kv_cache.k_cache.shape == (2, 2, 8, 8)
+    assert model.layers[0].kv_cache.k_cache.dtype == torch.bfloat16
+    assert model.inv_freq.dtype == torch.float32  # RoPE angles stay float32
+    logits, hidden = model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), hidden_layer_ids=(1,))
+    assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_compiled_fullgraph_matches_eager_without_recompiling():
+    eager = make_model(architecture="qwen3")
+    compiled_model = make_model_like(eager)
+    for m in (eager, compiled_model):
+        m.setup_caches(max_batch_size=2, max_seq_len=16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(compiled_model, fullgraph=True, backend=counter, dynamic=False)
+    tokens = torch.randint(0, 97, (2, 10))
+    rows = torch.tensor([1, 0])
+
+    def run(model, t0, t1, offsets):
+        pos = torch.arange(t0, t1)[None] + offsets[:, None]
+        return model(tokens[:, t0:t1], pos, rows=rows, hidden_layer_ids=(0, 2))
+
+    offsets = torch.tensor([0, 2])  # ragged: the second row is two tokens further along
+    for t0, t1 in ((0, 4), (4, 5), (5, 6), (6, 7), (7, 8)):
+        want, got = run(eager, t0, t1, offsets), run(step, t0, t1, offsets)
+        torch.testing.assert_close(got[0], want[0], atol=TOL, rtol=TOL)
+        torch.testing.assert_close(got[1], want[1], atol=TOL, rtol=TOL)
+    assert counter.frame_count == 2  # one graph for the prefill shape, one for all decode steps
