@@ -1,0 +1,11 @@
+"""dspark: DSpark speculative decoding in PyTorch, Triton and torch.compile."""
+from dspark.checkpoint import load_drafter, save_drafter
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.decoder import GenerationResult, SpeculativeDecoder
+from dspark.drafter import DSparkDrafter
+from dspark.loading import load_default, load_target
+from dspark.sampling import SamplingParams
+from dspark.target import TargetModel
+
+__all__ = ["DSparkDrafter", "DrafterConfig", "GenerationResult", "SamplingParams", "SpeculativeDecoder",
+           "TargetConfig", "TargetModel", "load_default", "load_drafter", "load_target", "save_drafter"]

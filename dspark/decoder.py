@@ -1,0 +1,252 @@
+"""Speculative decoding: one static step function and the host loop around it.
+
+The step is a function of static-shaped tensors (no `.item()`, no host sync, no branch on tensor
+values), so torch.compile compiles it whole and a CUDA graph can capture it:
+
+    target forward over [anchor, d_1 .. d_K]  ->  verification  ->  drafter context append
+    ->  drafter block  ->  ancestral drafting + proposal write
+
+The host loop prefills each request, runs steps, and applies stop tokens, stop strings and
+max_tokens token by token, so a request ends exactly where plain decoding would end it.
+`drafter=None` (K = 0) runs the same step without speculation: the baseline of every benchmark.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from dspark.drafter import DSparkDrafter
+from dspark.drafting import ancestral_draft
+from dspark.ops.verify import verify
+from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
+from dspark.target import TargetModel
+
+VERIFY_METHODS = ("standard", "block")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)  # generated ids, the stopping token included
+    accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft k was accepted
+    num_steps: int = 0  # decode steps after the prefill
+    finish_reason: str = "length"  # "stop" (stop token or string) or "length" (max_tokens)
+
+
+class StopCondition:
+    """Decides, one emitted token at a time, whether a request is finished."""
+
+    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None):
+        self.max_tokens = params.max_tokens
+        self.stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_ids)
+        stop = params.stop or []
+        self.stop_strings = [stop] if isinstance(stop, str) else list(stop)
+        if self.stop_strings and tokenizer is None:
+            raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
+                             "pass tokenizer= to SpeculativeDecoder")
+        self.tokenizer = tokenizer
+
+    def finished(self, tokens: list[int]) -> str | None:
+        """`tokens` just grew by one; returns the finish reason or None."""
+        if tokens[-1] in self.stop_ids:
+            return "stop"
+        if self.stop_strings:
+            text = self.tokenizer.decode(tokens)
+            tail = len(self.tokenizer.decode(tokens[:-1]))
+            if any(s in text[max(0, tail - len(s)):] for s in self.stop_strings):
+                return "stop"
+        if len(tokens) >= self.max_tokens:
+            return "length"
+        return None
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding with a DSpark drafter (or none).
+
+    num_speculative_tokens: K drafts per step (alias max_draft_len), at most the drafter's
+        block size; defaults to it. K = 0 or drafter=None decodes without speculation.
+    rejection_sample_method: "standard" (token-level) or "block" (Sun et al. 2024).
+    use_rejection_sampling: False drafts the greedy argmax chain with one-hot proposals
+        (still lossless: verification accepts a one-hot draft with probability p(d)).
+    forced_num_accepted: benchmarks only. Every step accepts exactly this many drafts, so a
+        step can be timed at a fixed acceptance length. The output is then NOT the target's.
+    compile: torch.compile(fullgraph=True) the step function.
+    """
+
+    def __init__(self, target: TargetModel, drafter: DSparkDrafter | None = None,
+                 num_speculative_tokens: int | None = None, rejection_sample_method: str = "standard",
+                 use_rejection_sampling: bool = True, tokenizer=None,
+                 forced_num_accepted: int | None = None, compile: bool = False,
+                 max_draft_len: int | None = None):
+        k = num_speculative_tokens if num_speculative_tokens is not None else max_draft_len
+        if k is None:
+            k = drafter.config.block_size if drafter is not None else 0
+        if k < 0 or (drafter is None and k > 0):
+            raise ValueError(f"num_speculative_tokens={k} needs a drafter (got drafter={drafter!r})")
+        if drafter is not None and k > drafter.config.block_size:
+            raise ValueError(f"num_speculative_tokens={k} exceeds the drafter's block_size "
+                             f"{drafter.config.block_size}")
+        if rejection_sample_method not in VERIFY_METHODS:
+            raise ValueError(f"rejection_sample_method must be one of {VERIFY_METHODS}, "
+                             f"got {rejection_sample_method!r}")
+        if forced_num_accepted is not None and not 0 <= forced_num_accepted <= k:
+            raise ValueError(f"forced_num_accepted={forced_num_accepted} is not in [0, {k}]")
+        self.target, self.drafter = target, (drafter if k > 0 else None)
+        self.k = k
+        self.block_verify = rejection_sample_method == "block"
+        self.greedy_drafts = not use_rejection_sampling
+        self.tokenizer = tokenizer
+        self.forced_num_accepted = forced_num_accepted
+        self.layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
+        self.step = torch.compile(self._step, fullgraph=True) if compile else self._step
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ the static step
+
+    def _step(self, tokens: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
+              sampling: SamplingTensors, use_filters: bool):
+        """tokens: [B, K+1] (anchor, drafts); start: [B] position of the anchor;
+        draft_probs: [B, K, V] proposals of the drafts.
+        Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B]."""
+        k = self.k
+        positions = start[:, None] + torch.arange(k + 1, device=start.device)
+        logits, hidden = self.target(tokens, positions, hidden_layer_ids=self.layer_ids)
+        if use_filters:
+            logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                   sampling.min_p)
+        slots = torch.arange(tokens.shape[0], device=tokens.device)
+        emitted, num_accepted = verify(
+            logits, tokens[:, 1:], draft_probs, slots, sampling.temperature, sampling.seed, start,
+            self.block_verify)
+        if self.forced_num_accepted is not None:
+            emitted, num_accepted = self._force_acceptance(tokens, logits)
+        anchor = emitted.gather(1, num_accepted[:, None]).squeeze(1)
+        next_start = start + num_accepted + 1
+        if self.drafter is None:
+            return emitted, num_accepted, anchor[:, None], next_start
+        self.drafter.append_context(hidden, positions)
+        drafts = self._draft(anchor, next_start, draft_probs, sampling)
+        return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start
+
+    def _draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
+               sampling: SamplingTensors) -> torch.Tensor:
+        """anchor, start: [B] -> drafts [B, K]; writes their proposals into draft_probs."""
+        base_logits, hidden = self.drafter.forward_block(anchor, start)
+        temperature = torch.zeros_like(sampling.temperature) if self.greedy_drafts else sampling.temperature
+        slots = torch.arange(anchor.shape[0], device=anchor.device)
+        return ancestral_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head,
+                               anchor, temperature, sampling.seed, start, slots, draft_probs)
+
+    def _force_acceptance(self, tokens: torch.Tensor, logits: torch.Tensor):
+        """Accept exactly `forced_num_accepted` drafts, then the target's argmax."""
+        n = self.forced_num_accepted
+        emitted = torch.full_like(tokens, -1)
+        emitted[:, :n] = tokens[:, 1:n + 1]
+        emitted[:, n] = logits[:, n].argmax(-1)
+        return emitted, torch.full_like(tokens[:, 0], n)
+
+    # ------------------------------------------------------------------ the host loop
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """Decodes every prompt to completion. `on_tokens(i, new_tokens)` streams request i's
+        tokens as they are accepted."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        params = params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        vocab = self.target.config.vocab_size
+        for i, p in enumerate(prompts):
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        eos = set(self.target.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        stops = [StopCondition(p, sorted(eos), self.tokenizer) for p in params]
+        results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
+
+        batch, device = len(prompts), self.device
+        max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + self.k + 2
+        self.target.setup_caches(batch, max_len)
+        if self.drafter is not None:
+            self.drafter.setup_caches(batch, max_len)
+        sampling = SamplingTensors.from_params(params, device)
+        use_filters = any(p.uses_filters for p in params)
+        draft_probs = torch.zeros(batch, self.k, vocab, device=device)
+
+        anchor, start = self._prefill(prompts, sampling, use_filters)
+        active = torch.ones(batch, dtype=torch.bool)
+        for i, token in enumerate(anchor.tolist()):
+            self._emit(i, [token], results, stops, active, on_tokens)
+        tokens = anchor[:, None]
+        if self.drafter is not None:
+            drafts = self._draft(anchor, start, draft_probs, sampling)
+            tokens = torch.cat([tokens, drafts], dim=1)
+
+        while active.any():
+            emitted, num_accepted, next_tokens, next_start = self.step(
+                tokens, start, draft_probs, sampling, use_filters)
+            emitted_host, accepted_host = emitted.cpu(), num_accepted.cpu()
+            for i in active.nonzero().flatten().tolist():
+                n = int(accepted_host[i])
+                results[i].num_steps += 1
+                for pos in range(n):
+                    results[i].accepted_per_position[pos] += 1
+                self._emit(i, emitted_host[i, :n + 1].tolist(), results, stops, active, on_tokens)
+            # Finished rows stay in the static batch, frozen: same inputs, same cache positions.
+            keep = active.to(device)
+            tokens = torch.where(keep[:, None], next_tokens, tokens)
+            start = torch.where(keep, next_start, start)
+        return results
+
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors, use_filters: bool):
+        """Runs the prompts through the target into their cache rows (prompts of one length
+        together) and fills the drafter's context, then draws every request's first token.
+        Returns those tokens [B] and their positions [B]."""
+        device = self.device
+        last_logits = torch.empty(len(prompts), 1, self.target.config.vocab_size, device=device)
+        by_length: dict[int, list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(row)
+        for length, group in by_length.items():
+            rows = torch.tensor(group, device=device)
+            ids = torch.tensor([prompts[r] for r in group], device=device)
+            positions = torch.arange(length, device=device).expand(len(group), length)
+            logits, hidden = self.target(ids, positions, rows=rows, hidden_layer_ids=self.layer_ids)
+            if self.drafter is not None:
+                self.drafter.append_context(hidden, positions, rows=rows)
+            last_logits[rows] = logits[:, -1:]
+        logits = last_logits
+        if use_filters:
+            logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        start = torch.tensor([len(p) for p in prompts], device=device)
+        batch = len(prompts)
+        no_drafts = torch.empty(batch, 0, dtype=torch.long, device=device)
+        no_probs = torch.empty(batch, 0, logits.shape[-1], device=device)
+        slots = torch.arange(batch, device=device)
+        emitted, _ = verify(logits, no_drafts, no_probs, slots, sampling.temperature,
+                                             sampling.seed, start - 1, self.block_verify)
+        return emitted[:, 0], start
+
+    @staticmethod
+    def _emit(i: int, new: list[int], results, stops, active, on_tokens):
+        """Appends request i's new tokens one at a time until its stop condition holds."""
+        out, taken = results[i], []
+        for token in new:
+            out.tokens.append(token)
+            taken.append(token)
+            reason = stops[i].finished(out.tokens)
+            if reason is not None:
+                out.finish_reason = reason
+                active[i] = False
+                break
+        if on_tokens is not None and taken:
+            on_tokens(i, taken)

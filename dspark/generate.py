@@ -1,0 +1,97 @@
+"""Offline generation from the command line, streamed to the terminal.
+
+    python -m dspark.generate --chat --prompt "Write a haiku about the sea."
+    python -m dspark.generate --model path/to/model.gguf --drafter none --prompt "def fib(n):"
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from dspark.checkpoint import load_drafter
+from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.loading import load_default, load_target
+from dspark.sampling import SamplingParams
+from dspark.tokenizer import IncrementalDecoder, Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dspark.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
+    p.add_argument("--drafter", default=None,
+                   help="DeepSpec-format drafter folder, or 'none' to decode without speculation "
+                        "(default: the default model's drafter)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
+    p.add_argument("--rejection-sample-method", choices=VERIFY_METHODS, default="standard")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def load_models(args):
+    dtype = DTYPES[args.dtype]
+    if args.model is None:
+        target, drafter, tokenizer = load_default(dtype=dtype, device=args.device)
+    else:
+        target, drafter = load_target(args.model, dtype=dtype, device=args.device), None
+        tokenizer = Tokenizer.from_gguf(args.model) if args.model.endswith(".gguf") else \
+            Tokenizer.from_pretrained(args.model)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+    if args.drafter == "none":
+        drafter = None
+    elif args.drafter is not None:
+        drafter = load_drafter(args.drafter, target)
+    return target, drafter, tokenizer
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    target, drafter, tokenizer = load_models(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": args.prompt}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.num_speculative_tokens,
+                                 rejection_sample_method=args.rejection_sample_method, tokenizer=tokenizer)
+    stream = IncrementalDecoder(tokenizer)
+
+    def show(_, tokens):
+        for token in tokens:
+            if token not in tokenizer.eos_token_ids:
+                sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+
+    began = time.perf_counter()
+    result = decoder.generate([prompt], params, on_tokens=show)[0]
+    seconds = time.perf_counter() - began
+    sys.stdout.write(stream.flush() + "\n")
+    steps = max(result.num_steps, 1)
+    print(f"[{len(result.tokens)} tokens in {seconds:.2f} s ({len(result.tokens) / seconds:.1f} tok/s), "
+          f"{result.num_steps} steps, {len(result.tokens) / steps:.2f} tokens/step, "
+          f"accepted per position {result.accepted_per_position}, finish: {result.finish_reason}]",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
