@@ -28,6 +28,10 @@ STREAM_DRAFT = 0 << 16  # Gumbel noise of draft position k
 STREAM_ACCEPT = 1 << 16  # acceptance uniform of verified position i
 STREAM_TARGET = 2 << 16  # Gumbel noise of the correction / bonus token at position i
 
+# Compiled Triton reads module globals only as constexprs: the kernels use these copies.
+_ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _SERIES_BELOW = (
+    tl.constexpr(c) for c in (ROUND_A, ROUND_B, KEY_A, KEY_B, N_ROUNDS, TWO_POW_M32, U_MAX, SERIES_BELOW))
+
 
 # ---------------------------------------------------------------- Triton
 
@@ -44,30 +48,30 @@ def philox_word(seed, offset, token, stream):
     c3 = zero + (offset >> 32).to(tl.uint32)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
-    a = tl.full([], ROUND_A, tl.uint32)
-    b = tl.full([], ROUND_B, tl.uint32)
-    for _ in tl.static_range(N_ROUNDS):
+    a = tl.full([], _ROUND_A, tl.uint32)
+    b = tl.full([], _ROUND_B, tl.uint32)
+    for _ in tl.static_range(_N_ROUNDS):
         p0, p2 = c0, c2
         c0 = tl.umulhi(b, p2) ^ c1 ^ k0
         c2 = tl.umulhi(a, p0) ^ c3 ^ k1
         c1 = b * p2
         c3 = a * p0
-        k0 = k0 + KEY_A
-        k1 = k1 + KEY_B
+        k0 = k0 + _KEY_A
+        k1 = k1 + _KEY_B
     return c0
 
 
 @triton.jit
 def uniform(seed, offset, token, stream):
     x = philox_word(seed, offset, token, stream)
-    u = (x.to(tl.float32) + 0.5) * TWO_POW_M32
-    return tl.minimum(u, U_MAX)
+    u = (x.to(tl.float32) + 0.5) * _TWO_POW_M32
+    return tl.minimum(u, _U_MAX)
 
 
 @triton.jit
 def gumbel(seed, offset, token, stream):
     u = uniform(seed, offset, token, stream)
-    e = tl.where(u < SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
+    e = tl.where(u < _SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
     return -tl.log(e)
 
 

@@ -1,0 +1,154 @@
+"""Drafting alone: one block of K ancestral drafts, the seed's "drafting alone" table.
+
+B x K x V bfloat16 base logits, a rank-r vanilla Markov head in bfloat16, random data. Each variant
+runs the whole block; on GPU it is captured in a CUDA graph after warm-up and timed by replays
+(triton.testing.do_bench, median). Variants, in one process:
+
+- torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
+- dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch);
+- bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
+- floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
+  run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
+  matrix W2 read once per position, the base logits read once, the float32 biased logits written
+  and read back once, the float32 proposals written once.
+
+    python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
+    python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+import triton
+
+from dspark.drafting import ancestral_draft
+from dspark.markov import VanillaMarkov
+
+
+def median_us(fn, device: torch.device) -> float:
+    """Median µs of one call: CUDA-graph replays on GPU, wall clock on CPU."""
+    if device.type == "cpu":
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e6 * statistics.median(times)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+
+
+def stream_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of dst = src + 1 over nbytes, counting bytes read and written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (median_us(lambda: torch.add(src, 1.0, out=dst), device) * 1e-6)
+
+
+def torch_loop(logits, head, anchor, temperature, slots, draft_probs):
+    """The baseline: a full sampling pipeline per position."""
+    prev, tokens = anchor, []
+    for k in range(logits.shape[1]):
+        bias = head.markov_w2(head.markov_w1(prev))
+        probs = torch.softmax((logits[:, k].float() + bias.float()) / temperature[:, None], dim=-1)
+        prev = torch.multinomial(probs, 1).squeeze(1)
+        draft_probs[slots, k] = probs
+        tokens.append(prev)
+    return torch.stack(tokens, dim=1)
+
+
+def bias_gemms(head, prev_embedding, positions):
+    for _ in range(positions):
+        head.markov_w2(prev_embedding)
+
+
+def floor_bytes(batch, positions, vocab, rank) -> int:
+    markov = positions * vocab * rank * 2
+    block = batch * positions * vocab
+    return markov + block * (2 + 4 + 4 + 4)
+
+
+def run(batches, positions, vocab, rank, device) -> tuple[list[dict], float]:
+    torch.manual_seed(0)
+    head = VanillaMarkov(vocab, rank).to(device, torch.bfloat16)
+    bandwidth = stream_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+    rows = []
+    for batch in batches:
+        logits = torch.randn(batch, positions, vocab, device=device, dtype=torch.bfloat16)
+        anchor = torch.randint(0, vocab, (batch,), device=device)
+        temperature = torch.rand(batch, device=device) + 0.5
+        seed = torch.randint(0, 2**62, (batch,), device=device)
+        offset = torch.randint(0, 2**40, (batch,), device=device)
+        slots = torch.randperm(batch, device=device)
+        draft_probs = torch.empty(batch, positions, vocab, device=device)
+        prev_embedding = head.markov_w1(anchor)
+        with torch.inference_mode():
+            row = {
+                "B": batch,
+                "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
+                                                           draft_probs), device),
+                "dspark": median_us(lambda: ancestral_draft(logits, None, head, anchor, temperature,
+                                                            seed, offset, slots, draft_probs),
+                                    device),
+                "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
+                "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
+            }
+        rows.append(row)
+    return rows, bandwidth
+
+
+def table(rows) -> str:
+    lines = ["| B | torch loop µs | dspark µs | bias GEMMs µs | floor µs | torch loop / floor "
+             "| dspark / floor | speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['torch loop']:.0f} | {r['dspark']:.0f} | {r['bias GEMMs']:.0f}"
+                     f" | {r['floor']:.0f} | {r['torch loop'] / r['floor']:.2f}"
+                     f" | {r['dspark'] / r['floor']:.2f} | {r['torch loop'] / r['dspark']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 44, 88])
+    parser.add_argument("--positions", type=int, default=7)
+    parser.add_argument("--vocab", type=int, default=200064)
+    parser.add_argument("--rank", type=int, default=256)
+    parser.add_argument("--out", help="also write the table as markdown here")
+    args = parser.parse_args()
+    if args.smoke:
+        device, batches, positions, vocab, rank = torch.device("cpu"), [1, 4], 3, 3000, 16
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
+        device, batches, positions, vocab, rank = (torch.device("cuda"), args.batches,
+                                                   args.positions, args.vocab, args.rank)
+    rows, bandwidth = run(batches, positions, vocab, rank, device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    header = (f"Drafting alone: B x {positions} x {vocab} bfloat16 logits, rank-{rank} vanilla "
+              f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."
+              f"\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"{datetime.date.today()}; streaming bandwidth {bandwidth / 1e12:.2f} TB/s.\n")
+    text = header + "\n" + table(rows) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

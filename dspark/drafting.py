@@ -1,0 +1,53 @@
+"""Ancestral drafting of one block: position k is drawn from softmax((base_k + bias(d_{k-1})) / T),
+where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
+the position's proposal for verification.
+
+Per position: the Markov bias (a cuBLAS GEMM through the head), the Gumbel-max step op, the pick op
+(the token, and the Markov embedding of the token for the next position). After the block, the
+proposal op writes all K proposals. Static shapes and no host sync: the block compiles with
+torch.compile(fullgraph=True) and is captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dspark.markov import VanillaMarkov
+from dspark.ops.gumbel_max import CHUNK_SIZE, gumbel_pick, gumbel_step, num_chunks
+from dspark.ops.proposal import write_proposals
+
+
+def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
+                    anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
+                    slots: Tensor, draft_probs: Tensor, chunk_size: int = CHUNK_SIZE) -> Tensor:
+    """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
+
+    logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
+    padding and draw from the bias alone); hidden [B, K, d]: the drafter's final hidden states (read
+    by the gated and rnn heads); head: a Markov head, or None to draw the positions independently;
+    anchor [B] int64: the token before position 0; temperature [B] float32 (0 = greedy: the argmax
+    chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
+    request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
+    """
+    batch, positions, vocab = logits.shape
+    biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
+    chunk_max = logits.new_empty((batch, positions, num_chunks(vocab, chunk_size)),
+                                 dtype=torch.float32)
+    chunk_sum = torch.empty_like(chunk_max)
+
+    table = prev = state = bias = None
+    if head is not None:
+        table = head.markov_w1.weight
+        prev = head.markov_w1(anchor)
+        state = head.initial_state(batch)
+    tokens = []
+    for k in range(positions):
+        if head is not None:
+            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
+        best, index = gumbel_step(logits, bias, temperature, seed, offset, k, biased, chunk_max,
+                                  chunk_sum, chunk_size)
+        token, prev = gumbel_pick(best, index, table)
+        tokens.append(token)
+    tokens = torch.stack(tokens, dim=1)
+    write_proposals(biased, chunk_max, chunk_sum, temperature, tokens, slots, draft_probs)
+    return tokens
