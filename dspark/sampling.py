@@ -1,0 +1,117 @@
+"""Per-request sampling parameters, their batched tensors, and the target-side filters.
+
+Temperature alone changes no token set; top-k, top-p and min-p do. The filters run only when
+some request of the batch asks for one (`SamplingTensors.uses_filters`), so a temperature-only
+batch pays for no sort over the vocabulary.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEED = 2**63  # seeds are int64 Philox keys
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for. `temperature=0` is greedy; `top_k=0`, `top_p=1` and `min_p=0`
+    switch their filter off; `seed=None` draws a fresh random seed when the request is batched."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop: str | list[str] | None = None  # normalised to a list of strings
+    stop_token_ids: list[int] | None = None  # normalised to a list of ints
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_filters(self) -> bool:
+        """Whether this request needs top-k / top-p / min-p (greedy requests never do)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+@dataclass
+class SamplingTensors:
+    """SamplingParams of a batch as per-row tensors, the form the ops take."""
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    uses_filters: bool = False  # some row needs apply_filters
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
+        rng = random.SystemRandom()
+        seeds = [p.seed if p.seed is not None else rng.getrandbits(63) for p in params]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor([p.top_k for p in params], torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seed=tensor(seeds, torch.int64),
+            uses_filters=any(p.uses_filters for p in params),
+        )
+
+
+def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set the tokens that min-p, top-k or top-p remove to -inf; the kept logits are unchanged.
+
+    logits: [B, N, V] float32 (N positions per request, not yet divided by T); the other arguments
+    are [B]. The filters act on softmax(logits / T) in vLLM's order: min-p (keep p >= min_p * p_max)
+    and top-k, then top-p over what they kept, renormalised (keep the smallest most-likely set
+    whose mass reaches top_p). Rows whose parameters are neutral, and greedy rows, come back
+    unchanged. Sort-based, static shapes, no host sync.
+    """
+    B, N, V = logits.shape
+    greedy = temperature == 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / t.view(B, 1, 1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where(top_k > 0, top_k, V).view(B, 1, 1)
+    keep = (rank < k) & (probs >= min_p.view(B, 1, 1) * probs[..., :1])
+    kept = torch.where(keep, probs, 0.0)
+    mass_before = kept.cumsum(dim=-1) - kept
+    p = top_p.view(B, 1, 1)
+    keep &= (mass_before < p * kept.sum(dim=-1, keepdim=True)) | (p >= 1)
+
+    removed = torch.empty_like(keep).scatter_(-1, order, ~keep)
+    uses_filter = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))
+    removed &= uses_filter.view(B, 1, 1)
+    return logits.masked_fill(removed, float("-inf"))
