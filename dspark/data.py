@@ -1,0 +1,232 @@
+"""Training data for the drafter, all offline: a prompt corpus and the target's own responses to it.
+
+Prompts come from two places:
+- `assets/prompts/train.json`: templates x topics for chat, code, prose and math (math templates are
+  filled with seeded random numbers), plus hand-written prompts;
+- the Python standard library on this machine: functions to explain or continue, and docstrings and
+  `pydoc_data` topics to summarise.
+`assets/prompts/heldout.jsonl` is the evaluation set. It uses other topics and templates, and its
+code comes from stdlib modules (`HELDOUT_MODULES`) that the training prompts never read.
+
+Self-distillation: the target answers each training prompt (DeepSpec regenerates responses with the
+target too), half the prompts greedily and half at temperature 1. Greedy responses are the paths a
+T=0 evaluation walks; sampled ones cover what T=1 walks and give more varied prefixes. The loss
+compares the drafter with the target's full distribution at every position anyway, so the
+sampling temperature only chooses which prefixes are trained on. The responses are appended to a
+JSONL cache as they are generated, so an interrupted run continues where it stopped.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+from pydoc_data.topics import topics as pydoc_topics
+
+from dspark.decoder import SpeculativeDecoder
+from dspark.sampling import SamplingParams
+from dspark.target import TargetModel
+
+PROMPT_DIR = Path(__file__).parent / "assets" / "prompts"
+DOMAINS = ("chat", "code", "math", "prose")
+# Modules whose code only the held-out set uses.
+HELDOUT_MODULES = ("bisect", "calendar", "colorsys", "fractions", "heapq", "statistics", "textwrap")
+# Stdlib folders that are not library code worth imitating (tests, demos, vendored tools).
+SKIPPED_STDLIB_DIRS = ("test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages",
+                       "__pycache__", "__phello__")
+MAX_SNIPPET_LINES = 30
+MAX_SNIPPET_CHARS = 1500
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    domain: str  # one of DOMAINS
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt (chat-templated) + the target's response, its stop token included
+    prompt_len: int
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def template_prompts(path: Path = PROMPT_DIR / "train.json", seed: int = 0) -> list[Prompt]:
+    """Every template of a domain filled with every topic of that domain, the math templates with
+    `math_per_template` draws of random numbers, and the hand-written prompts."""
+    spec = json.loads(path.read_text())
+    prompts = []
+    for domain, topics in spec["topics"].items():
+        prompts += [Prompt(t.format(topic=topic), domain) for t in spec["templates"][domain] for topic in topics]
+    rng = random.Random(seed)
+    for template in spec["templates"]["math"]:
+        for _ in range(spec["math_per_template"]):
+            a, b = rng.randint(2, 99), rng.randint(2, 99)
+            numbers = dict(a=a, b=b, c=a + b + rng.randint(1, 200), p=rng.choice((5, 10, 15, 20, 25, 50, 75)))
+            prompts.append(Prompt(template.format(**numbers), "math"))
+    prompts += [Prompt(p["text"], p["domain"]) for p in spec["handwritten"]]
+    return list(dict.fromkeys(prompts))
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files, sorted, without tests, tools and HELDOUT_MODULES."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(p in SKIPPED_STDLIB_DIRS for p in parts[:-1]) or path.stem in HELDOUT_MODULES:
+            continue
+        files.append(path)
+    return files
+
+
+def _definitions(tree: ast.Module):
+    """Module-level functions and classes, and the methods of those classes."""
+    for node in tree.body:
+        yield node
+        if isinstance(node, ast.ClassDef):
+            yield from node.body
+
+
+def _passage(docstring: str | None) -> str | None:
+    """A docstring long enough to summarise, cut to MAX_SNIPPET_CHARS."""
+    if not docstring or len(docstring) < 300:
+        return None
+    return docstring.strip()[:MAX_SNIPPET_CHARS]
+
+
+def prompts_from_source(source: str, rng: random.Random) -> list[Prompt]:
+    """Code prompts from the functions of one module (explain one, or continue its first half) and
+    prose prompts from its long docstrings."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    prompts = []
+    if passage := _passage(ast.get_docstring(tree)):
+        prompts.append(Prompt(f"Summarise the following documentation in a few sentences:\n\n{passage}", "prose"))
+    for node in _definitions(tree):
+        if isinstance(node, ast.ClassDef) and (passage := _passage(ast.get_docstring(node))):
+            prompts.append(Prompt(f"Explain this documentation in plain English:\n\n{passage}", "prose"))
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = lines[node.lineno - 1:node.end_lineno]
+        code = textwrap.dedent("\n".join(body))
+        if not 4 <= len(body) <= MAX_SNIPPET_LINES or len(code) > MAX_SNIPPET_CHARS:
+            continue
+        if rng.random() < 0.5:
+            prompts.append(Prompt(f"Explain what this Python function does:\n\n```python\n{code}\n```", "code"))
+        else:
+            head = "\n".join(code.splitlines()[:len(body) // 2])
+            prompts.append(Prompt(f"Continue this Python code:\n\n```python\n{head}\n```", "code"))
+    return prompts
+
+
+def pydoc_prompts() -> list[Prompt]:
+    """Passages of the Python language reference (`pydoc_data.topics`) to explain."""
+    return [Prompt("Explain this passage from the Python reference in simple words:\n\n"
+                   + text.strip()[:MAX_SNIPPET_CHARS], "prose") for _, text in sorted(pydoc_topics.items())]
+
+
+def stdlib_prompts(per_module: int = 3, seed: int = 0) -> list[Prompt]:
+    """Up to `per_module` prompts from each stdlib module (HELDOUT_MODULES excluded), plus pydoc topics."""
+    rng = random.Random(seed)
+    prompts = []
+    for path in stdlib_files():
+        found = prompts_from_source(path.read_text(encoding="utf-8", errors="replace"), rng)
+        prompts += rng.sample(found, min(per_module, len(found)))
+    return prompts + pydoc_prompts()
+
+
+def training_prompts(num_prompts: int | None = None, seed: int = 0) -> list[Prompt]:
+    """The template and stdlib prompts, deduplicated and shuffled with `seed`; the first `num_prompts`."""
+    prompts = list(dict.fromkeys(template_prompts(seed=seed) + stdlib_prompts(seed=seed)))
+    random.Random(seed).shuffle(prompts)
+    return prompts[:num_prompts]
+
+
+def heldout_prompts(path: Path = PROMPT_DIR / "heldout.jsonl") -> list[Prompt]:
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        row = json.loads(line)
+        if row.get("domain") not in DOMAINS or not row.get("text"):
+            raise ValueError(f"{path}:{n}: needs a non-empty 'text' and a 'domain' in {DOMAINS}: {line[:80]}")
+        prompts.append(Prompt(row["text"], row["domain"]))
+    return prompts
+
+
+def render(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt as a single user turn in the model's chat template, ready for the reply."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                          tokenize=True) for p in prompts]
+
+
+# ---------------------------------------------------------------------------- self-distillation
+
+
+def response_params(index: int, seed: int, max_tokens: int, stop_token_ids: list[int]) -> SamplingParams:
+    """Prompt `index` is answered greedily when even, at temperature 1 when odd."""
+    return SamplingParams(temperature=float(index % 2), seed=seed * 1_000_003 + index, max_tokens=max_tokens,
+                          stop_token_ids=stop_token_ids)
+
+
+def read_cache(path: Path, settings: dict) -> list[Sequence]:
+    """The sequences cached at `path` (none if absent). A half-written last line (an interrupted
+    run) is dropped; a cache made with other `settings` is an error."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    if header != settings:
+        raise ValueError(f"{path} was generated with {header}, not {settings}; use another --out or delete it")
+    sequences = []
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        sequences.append(Sequence(row["tokens"], row["prompt_len"]))
+    return sequences
+
+
+def _cache_line(sequence: Sequence) -> str:
+    return json.dumps({"prompt_len": sequence.prompt_len, "tokens": sequence.tokens}) + "\n"
+
+
+def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, max_tokens: int, seed: int,
+                 stop_token_ids: list[int], batch_size: int = 64, stop: Callable[[int], bool] | None = None,
+                 progress: Callable[[int], None] | None = None) -> tuple[list[Sequence], bool]:
+    """Generates the target's response to every prompt (rendered token ids), `batch_size` prompts
+    per batch, appending each batch to the JSONL cache at `path`. Before each batch `stop(number
+    of responses so far)` may end the call; `progress(n)` hears of n more responses. Returns the
+    sequences so far and whether all are done."""
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+    settings = {"prompts": digest, "num_prompts": len(prompts), "max_tokens": max_tokens, "seed": seed}
+    sequences = read_cache(path, settings)
+    if progress is not None:
+        progress(len(sequences))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    decoder = SpeculativeDecoder(target, None)
+    with path.open("w") as cache:  # rewritten (without a half-written last line), then appended to
+        cache.write(json.dumps(settings) + "\n")
+        cache.writelines(_cache_line(s) for s in sequences)
+        for begin in range(len(sequences), len(prompts), batch_size):
+            if stop is not None and stop(begin):
+                return sequences, False
+            batch = prompts[begin:begin + batch_size]
+            params = [response_params(begin + i, seed, max_tokens, stop_token_ids) for i in range(len(batch))]
+            for prompt, result in zip(batch, decoder.generate(batch, params)):
+                sequences.append(Sequence(prompt + result.tokens, len(prompt)))
+                cache.write(_cache_line(sequences[-1]))
+            cache.flush()
+            if progress is not None:
+                progress(len(batch))
+    return sequences, True

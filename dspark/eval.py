@@ -1,0 +1,140 @@
+"""Acceptance of DSpark drafters for the default target on the held-out prompts.
+
+    python -m dspark.eval --drafter runs/smollm2/drafter runs/smollm2/drafter-rank0 --out eval.md
+
+For every drafter, temperature and verification method, the held-out prompts are decoded with
+K drafts per step and the decoder's counters are summed over the prompts:
+- acceptance at position k = (steps whose draft k was accepted) / steps;
+- AL (acceptance length, the bonus token included) = 1 + accepted drafts / steps = 1 + sum_k acceptance_k;
+- AL per prompt domain (chat, code, math, prose).
+Prints a markdown table and writes it to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark.checkpoint import load_drafter
+from dspark.data import DOMAINS, Prompt, heldout_prompts, render
+from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.drafter import DSparkDrafter
+from dspark.loading import load_default
+from dspark.sampling import SamplingParams
+from dspark.target import TargetModel
+
+
+@dataclass
+class Acceptance:
+    """Decoder counters summed over requests."""
+    accepted: list[int]  # [K] steps whose draft k was accepted
+    steps: int
+    tokens: int
+
+    def __add__(self, other: Acceptance) -> Acceptance:
+        return Acceptance([a + b for a, b in zip(self.accepted, other.accepted)], self.steps + other.steps,
+                          self.tokens + other.tokens)
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / max(self.steps, 1) for a in self.accepted]
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + sum(self.accepted) / max(self.steps, 1)
+
+
+@dataclass
+class Row:
+    drafter: str
+    temperature: float
+    method: str
+    total: Acceptance
+    by_domain: dict[str, Acceptance]
+
+
+def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams],
+            batch_size: int) -> list[Acceptance]:
+    """Decodes the prompts in batches; returns each prompt's counters."""
+    results = []
+    for begin in range(0, len(prompts), batch_size):
+        results += decoder.generate(prompts[begin:begin + batch_size], params[begin:begin + batch_size])
+    return [Acceptance(list(r.accepted_per_position), r.num_steps, len(r.tokens)) for r in results]
+
+
+def evaluate(target: TargetModel, drafters: dict[str, DSparkDrafter], prompts: list[Prompt], tokenizer, *,
+             temperatures=(0.0, 1.0), methods=VERIFY_METHODS, num_speculative_tokens: int = 7,
+             max_tokens: int = 128, batch_size: int = 80, seed: int = 0) -> list[Row]:
+    """One row per (drafter, temperature, method). Prompt i is decoded with seed `seed + i`."""
+    ids = render(tokenizer, prompts)
+    rows = []
+    runs = list(itertools.product(drafters.items(), temperatures, methods))
+    for (name, drafter), temperature, method in tqdm(runs, desc="eval", dynamic_ncols=True):
+        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens,
+                                 stop_token_ids=tokenizer.eos_token_ids) for i in range(len(ids))]
+        decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=num_speculative_tokens,
+                                     rejection_sample_method=method)
+        counts = measure(decoder, ids, params, batch_size)
+        empty = Acceptance([0] * num_speculative_tokens, 0, 0)
+        by_domain = {d: sum((c for c, p in zip(counts, prompts) if p.domain == d), empty) for d in DOMAINS}
+        rows.append(Row(name, temperature, method, sum(counts, empty), by_domain))
+    return rows
+
+
+def markdown_table(rows: list[Row]) -> str:
+    k = len(rows[0].total.accepted)
+    header = ["drafter", "T", "verify", "AL", *(f"AL {d}" for d in DOMAINS), *(f"acc@{i + 1}" for i in range(k)),
+              "steps", "tokens"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [r.drafter, f"{r.temperature:g}", r.method, f"{r.total.acceptance_length:.3f}",
+                 *(f"{r.by_domain[d].acceptance_length:.2f}" if r.by_domain[d].steps else "-" for d in DOMAINS),
+                 *(f"{a:.3f}" for a in r.total.per_position), str(r.total.steps), str(r.total.tokens)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dspark.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", nargs="+", type=Path, default=None,
+                   help="DeepSpec-format drafter folders (default: the drafter shipped with the default model)")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--methods", nargs="+", choices=VERIFY_METHODS, default=list(VERIFY_METHODS))
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=7)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="the first N held-out prompts, which alternate between domains (default: all 80)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=80, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
+    if args.drafter:
+        drafters = {path.name: load_drafter(path, target) for path in args.drafter}
+    elif default_drafter is not None:
+        drafters = {"default": default_drafter}
+    else:
+        raise SystemExit("no drafter ships with the default model yet: pass --drafter PATH")
+    prompts = heldout_prompts()[:args.num_prompts]
+    rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
+                    num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
+                    batch_size=args.batch_size, seed=args.seed)
+    table = markdown_table(rows)
+    print(table)
+    if args.out is not None:
+        args.out.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

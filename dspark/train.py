@@ -1,0 +1,462 @@
+"""Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
+
+    python -m dspark.train --out runs/smollm2 --device cuda --steps 3000 --time-budget-s 540
+    python -m dspark.train --out runs/smollm2 --device cuda --steps 3000 --time-budget-s 540 --resume
+    python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
+
+The target is frozen; the drafter shares its embedding and LM head (frozen too). Each step:
+- the target runs a plain causal forward over a batch of self-distilled sequences (dspark.data) and
+  returns its logits and the outputs of `target_layer_ids` (the drafter's context features);
+- up to `num_anchors` random response positions per sequence become blocks [x_p, mask x (K-1)],
+  all drafted in one forward under DeepSpec's block mask; slot k is labelled x_{p+k+1};
+- the Markov head adds its bias with teacher forcing (the true previous token);
+- loss = 0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), each position weighted by exp(-k/4).
+  TV is the total-variation distance 1/2 |p_draft - p_target|_1 at T=1 (DeepSpec's 0.9 weighs the
+  L1 distance, 2 TV), and 1 - TV is the chance that token-level verification accepts the slot's
+  draft given that the slots before it were accepted.
+
+Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
+length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing; `log.jsonl` keeps them.
+
+Resumable: `OUT/checkpoint.pt` (every --save-every steps and when --time-budget-s runs out) holds
+the trainable weights, the optimizer and scheduler states and the step. The batch order and the
+anchors are functions of (seed, step), so a resumed run continues exactly as an uninterrupted one.
+On every exit the current weights are also written in DeepSpec's format, in bfloat16, to
+OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same batches without a
+Markov head, to measure what the head adds).
+
+Default drafter (35.8 MB in bf16): 3 layers of the target's shapes (d 576, 9 heads, 3 KV heads,
+SwiGLU 1536), block size 7, target layers [1, 14, 27] of 30, Markov rank 64 (2 x 49152 x 64 = 6.3M
+of its 17.9M parameters), a confidence head over [h ; W1[prev]], mask token <empty_output> (16).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from dspark.checkpoint import save_drafter
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.data import Sequence, render, self_distill, training_prompts
+from dspark.drafter import DSparkDrafter
+from dspark.loading import load_default
+from dspark.target import TargetModel
+
+CHECKPOINT = "checkpoint.pt"
+MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
+
+
+@dataclass
+class TrainConfig:
+    """The recipe: everything that decides the trained weights (a resumed run must match it)."""
+    steps: int = 3000
+    batch_size: int = 8  # sequences per step
+    num_anchors: int = 256  # blocks per sequence (fewer when the response is shorter)
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of the steps
+    grad_clip: float = 1.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
+    seed: int = 0
+    rank0_twin: bool = True
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's choice of target layers: the middle one for a 1-layer drafter, else one per drafter
+    layer spread evenly over [1, n-3] (never the last layer, whose output is post-norm in HF)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
+                           markov_rank: int = 64) -> DrafterConfig:
+    return DrafterConfig.for_target(
+        target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
+        target_layer_ids=build_target_layer_ids(target.num_hidden_layers, num_layers),
+        mask_token_id=mask_token_id, enable_confidence_head=True)
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] right-padded sequences
+    anchors: torch.Tensor  # [B, N] block anchor positions (0 for padding blocks)
+    valid: torch.Tensor  # [B, N, K] bool: slot k of block n has a label in the response
+
+
+def batch_indices(num_sequences: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The sequences of `step`: consecutive slices of one seeded permutation per epoch."""
+    indices = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, position = divmod(i, num_sequences)
+        order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        indices.append(int(order[position]))
+    return indices
+
+
+def make_batch(sequences: list[Sequence], step: int, config: TrainConfig, block_size: int) -> Batch:
+    """The step's sequences, padded, with up to `num_anchors` random anchors each among the
+    response positions that have a next token."""
+    chosen = [sequences[i] for i in batch_indices(len(sequences), config.batch_size, step, config.seed)]
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    # anchors p with a label at p + 1, sorted
+    picked = [(torch.randperm(len(s.tokens) - 1 - s.prompt_len, generator=generator)[:config.num_anchors]
+               + s.prompt_len).sort().values for s in chosen]
+    length, num_blocks = max(len(s.tokens) for s in chosen), max(1, max(len(p) for p in picked))
+    tokens = torch.zeros(len(chosen), length, dtype=torch.long)
+    anchors = torch.zeros(len(chosen), num_blocks, dtype=torch.long)
+    valid = torch.zeros(len(chosen), num_blocks, block_size, dtype=torch.bool)
+    for row, (seq, p) in enumerate(zip(chosen, picked)):
+        tokens[row, :len(seq.tokens)] = torch.tensor(seq.tokens)
+        anchors[row, :len(p)] = p
+        valid[row, :len(p)] = p[:, None] + torch.arange(1, block_size + 1) < len(seq.tokens)
+    return Batch(tokens, anchors, valid)
+
+
+# ---------------------------------------------------------------------------- loss
+
+
+@dataclass
+class Stats:
+    """Sums over steps, per position over the valid slots: for the progress display and the log."""
+    loss: float = 0.0
+    accept: torch.Tensor | float = 0.0  # [K] sum of 1 - TV
+    survive: torch.Tensor | float = 0.0  # [K] sum of prod_{i<=k} (1 - TV_i)
+    count: torch.Tensor | float = 0.0  # [K] valid slots
+    steps: int = 0
+
+    def __add__(self, other: Stats) -> Stats:
+        return Stats(self.loss + other.loss, self.accept + other.accept, self.survive + other.survive,
+                     self.count + other.count, self.steps + other.steps)
+
+    def summary(self) -> dict:
+        count = self.count.clamp_min(1)
+        return {"loss": self.loss / self.steps, "acceptance": (self.accept / count).tolist(),
+                "al_estimate": 1 + (self.survive / count).sum().item()}
+
+
+def block_views(batch: Batch, target_logits: torch.Tensor, block_size: int):
+    """Per slot of every block: the label x_{p+k+1}, the token before it x_{p+k} (teacher forcing)
+    and the target's distribution there (softmax of its logits at p+k, T=1).
+
+    target_logits: [B, S, V] -> labels, prev [B, N, K], target_probs [B, N, K, V]
+    """
+    length = batch.tokens.shape[1]
+    at = (batch.anchors[..., None] + torch.arange(block_size, device=batch.anchors.device)).clamp_max(length - 1)
+    flat = at.flatten(1)  # [B, N*K]
+    prev = batch.tokens.gather(1, flat).view_as(at)
+    labels = batch.tokens.gather(1, (flat + 1).clamp_max(length - 1)).view_as(at)
+    vocab = target_logits.shape[-1]
+    logits = target_logits.gather(1, flat[..., None].expand(-1, -1, vocab)).view(*at.shape, vocab)
+    return labels, prev, logits.softmax(-1)
+
+
+def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, labels: torch.Tensor,
+                prev: torch.Tensor, target_probs: torch.Tensor, config: TrainConfig) -> tuple[torch.Tensor, Stats]:
+    """DeepSpec's loss for one drafter: weighted CE + TV + confidence BCE over the valid slots.
+
+    features: [B, S, m * hidden]; labels, prev: [B, N, K]; target_probs: [B, N, K, V]
+    """
+    block_size = drafter.block_size
+    base, hidden = drafter.forward_train(features, batch.tokens, batch.anchors)  # [B, N, K, V], [B, N, K, d]
+    rows = prev.flatten(0, 1)  # [B*N, K]
+    hidden = hidden.flatten(0, 1)
+    head = drafter.markov_head
+    logits = base.flatten(0, 1)
+    if head is not None:
+        logits = logits + head(rows, hidden).float()
+    log_q = logits.log_softmax(-1)  # [B*N, K, V]
+    ce = -log_q.gather(-1, labels.flatten(0, 1)[..., None]).squeeze(-1)
+    tv = 0.5 * (log_q.exp() - target_probs.flatten(0, 1)).abs().sum(-1)
+    accept = 1 - tv.detach()
+    loss_terms = config.ce_weight * ce + config.tv_weight * tv
+    if drafter.confidence_head is not None:
+        prev_embedding = head.markov_w1(rows) if head is not None and drafter.confidence_head.markov_rank else None
+        confidence = drafter.confidence(hidden, prev_embedding).float()
+        loss_terms = loss_terms + config.confidence_weight * F.binary_cross_entropy_with_logits(
+            confidence, accept, reduction="none")
+
+    valid = batch.valid.flatten(0, 1)
+    decay = torch.exp(-torch.arange(block_size, device=valid.device) / config.decay_gamma)
+    weights = decay * valid
+    loss = (weights * loss_terms).sum() / weights.sum().clamp_min(1e-6)
+    survive = torch.cumprod(accept, dim=-1)
+    stats = Stats(loss.item(), (accept * valid).sum(0).cpu(), (survive * valid).sum(0).cpu(), valid.sum(0).cpu(), 1)
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class Student:
+    """One drafter being trained, with its optimizer and schedule."""
+    name: str  # also its export folder
+    drafter: DSparkDrafter
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+
+    def state_dict(self) -> dict:
+        trainable = {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+        return {"weights": {n: t for n, t in self.drafter.state_dict().items() if n in trainable},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing, unexpected = self.drafter.load_state_dict(state["weights"], strict=False)
+        frozen = {n for n, p in self.drafter.named_parameters() if not p.requires_grad}
+        if unexpected or set(missing) - frozen:
+            raise ValueError(f"checkpoint does not fit drafter {self.name!r}: missing "
+                             f"{sorted(set(missing) - frozen)}, unexpected {sorted(unexpected)}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def warmup_cosine(steps: int, warmup: float):
+    warmup_steps = max(1, round(warmup * steps))
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, steps - warmup_steps)))
+
+    return factor
+
+
+def make_student(name: str, target: TargetModel, config: DrafterConfig, train: TrainConfig) -> Student:
+    drafter = DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    drafter.to(target.embed_tokens.weight.device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
+    return Student(name, drafter, optimizer, LambdaLR(optimizer, warmup_cosine(train.steps, train.warmup)))
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on GPU (fp32 master weights); CPU runs in fp32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig) -> list[Stats]:
+    device = target.embed_tokens.weight.device
+    layer_ids = students[0].drafter.config.target_layer_ids
+    block_size = students[0].drafter.block_size
+    with torch.no_grad(), autocast(device):
+        positions = torch.arange(batch.tokens.shape[1], device=device).expand_as(batch.tokens)
+        target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids)
+        labels, prev, target_probs = block_views(batch, target_logits, block_size)
+        del target_logits
+    stats = []
+    for student in students:
+        with autocast(device):
+            loss, step_stats = dspark_loss(student.drafter, features, batch, labels, prev, target_probs, config)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
+        student.optimizer.step()
+        student.optimizer.zero_grad(set_to_none=True)
+        student.scheduler.step()
+        stats.append(step_stats)
+    return stats
+
+
+def save_checkpoint(path: Path, step: int, students: list[Student], config: TrainConfig,
+                    drafter_config: DrafterConfig) -> None:
+    """Written to a temporary file first, so a run killed while saving keeps its last checkpoint."""
+    state = {"step": step, "train_config": dataclasses.asdict(config), "drafter_config": drafter_config.to_dict(),
+             "students": {s.name: s.state_dict() for s in students}}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
+                    drafter_config: DrafterConfig) -> int:
+    """Restores the students from `path` and returns the step to continue from."""
+    state = torch.load(path, map_location=students[0].drafter.fc.weight.device, weights_only=True)
+    for key, ours in (("train_config", dataclasses.asdict(config)), ("drafter_config", drafter_config.to_dict())):
+        if state[key] != ours:
+            changed = sorted(k for k in ours if state[key].get(k) != ours[k])
+            raise ValueError(f"{path} was trained with another {key} (differs in {changed}); "
+                             "resume with the same settings or use another --out")
+    for student in students:
+        student.load_state_dict(state["students"][student.name])
+    return state["step"]
+
+
+def export(students: list[Student], out: Path) -> None:
+    """Writes each drafter in DeepSpec's format with bf16 tensors (the target's modules are not saved)."""
+    for student in students:
+        save_drafter(copy.deepcopy(student.drafter).to(torch.bfloat16), out / student.name)
+
+
+def progress_line(summaries: dict[str, dict]) -> str:
+    parts = []
+    for name, s in summaries.items():
+        accept = " ".join(f"{a:.2f}" for a in s["acceptance"])
+        parts.append(f"{name}: loss {s['loss']:.3f} accept [{accept}] AL~{s['al_estimate']:.2f}")
+    return " | ".join(parts)
+
+
+def drop_caches(target: TargetModel) -> None:
+    """Frees the KV caches a decoder allocated, so the target runs plain causal forwards again."""
+    for layer in target.layers:
+        layer.kv_cache = None
+    target.max_seq_len = None
+
+
+class TimeBudget:
+    """A `stop` callback: says stop once the next step (or generation batch) would end after
+    `deadline` (time.monotonic(); None: never), judging a step's length by the time between the
+    last two calls."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.last: float | None = None
+
+    def __call__(self, step: int) -> bool:
+        now = time.monotonic()
+        step_seconds = 0.0 if self.last is None else now - self.last
+        self.last = now
+        return self.deadline is not None and now + step_seconds > self.deadline
+
+
+def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Sequence], out: Path,
+          config: TrainConfig, resume: bool = False, stop: Callable[[int], bool] | None = None,
+          save_every: int = 500, log_every: int = 10) -> list[Student]:
+    """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
+    `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
+    `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, exports
+    to out/<name>; returns the students."""
+    out.mkdir(parents=True, exist_ok=True)
+    target.requires_grad_(False)
+    drop_caches(target)
+    students = [make_student("drafter", target, drafter_config, config)]
+    if config.rank0_twin:
+        twin_config = dataclasses.replace(drafter_config, markov_rank=0)
+        students.append(make_student("drafter-rank0", target, twin_config, config))
+    checkpoint = out / CHECKPOINT
+    if checkpoint.exists() and not resume:
+        raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
+    step = load_checkpoint(checkpoint, students, config, drafter_config) if resume and checkpoint.exists() else 0
+
+    device = target.embed_tokens.weight.device
+    window = [Stats() for _ in students]
+    bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0)
+    with (out / "log.jsonl").open("a") as log:
+        while step < config.steps:
+            if stop is not None and stop(step):
+                bar.write(f"stopped at step {step}: continue with --resume")
+                break
+            batch = make_batch(sequences, step, config, drafter_config.block_size)
+            batch = Batch(*(t.to(device) for t in (batch.tokens, batch.anchors, batch.valid)))
+            window = [w + s for w, s in zip(window, train_step(target, students, batch, config))]
+            step += 1
+            bar.update(1)
+            if step % log_every == 0 or step == config.steps:
+                summaries = {s.name: w.summary() for s, w in zip(students, window)}
+                bar.set_postfix_str(progress_line(summaries), refresh=False)
+                log.write(json.dumps({"step": step, "lr": students[0].scheduler.get_last_lr()[0],
+                                      **summaries}) + "\n")
+                log.flush()
+                window = [Stats() for _ in students]
+            if step % save_every == 0:
+                save_checkpoint(checkpoint, step, students, config, drafter_config)
+    bar.close()
+    if step % save_every:  # not saved at this step yet
+        save_checkpoint(checkpoint, step, students, config, drafter_config)
+    export(students, out)
+    return students
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dspark.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="run folder: data cache, checkpoint, log, drafters")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop (checkpointed) before this many seconds have passed since start; leave a "
+                        "minute of the calling limit for loading and the final save")
+    p.add_argument("--smoke", action="store_true", help="a few steps on tiny data, to check the pipeline")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default}")
+    p.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps")
+    p.add_argument("--log-every", type=int, default=10, help="log interval in steps")
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    p.add_argument("--max-tokens", type=int, default=256, help="response length limit")
+    p.add_argument("--gen-batch-size", type=int, default=256, help="prompts per generation batch")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device = "cpu"
+        args.steps, args.batch_size, args.num_anchors, args.save_every, args.log_every = 4, 2, 8, 2, 1
+        args.num_prompts, args.max_tokens, args.gen_batch_size = 4, 12, 4
+    return args
+
+
+def main(argv=None) -> None:
+    started = time.monotonic()
+    args = parse_args(argv)
+    deadline = None if args.time_budget_s is None else started + args.time_budget_s
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, _, tokenizer = load_default(dtype=dtype, device=device)
+    target.eval()
+
+    prompts = [p for p in render(tokenizer, training_prompts(args.num_prompts, seed=args.seed))
+               if len(p) <= args.max_prompt_tokens]
+    with tqdm(total=len(prompts), desc="self-distill", dynamic_ncols=True, mininterval=2.0) as bar:
+        sequences, done = self_distill(target, prompts, args.out / "sequences.jsonl", max_tokens=args.max_tokens,
+                                       seed=args.seed, stop_token_ids=tokenizer.eos_token_ids,
+                                       batch_size=args.gen_batch_size, stop=TimeBudget(deadline),
+                                       progress=bar.update)
+    if not done:
+        print(f"time budget reached after {len(sequences)} of {len(prompts)} responses; "
+              "run again (with --resume) to continue")
+        return
+    responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
+    print(f"{len(sequences)} sequences, {responses} response tokens")
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    mask_token_id = tokenizer.token_to_id(MASK_TOKEN)
+    if mask_token_id is None:
+        raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
+    drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
+                                            args.markov_rank)
+    train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
+          save_every=args.save_every, log_every=args.log_every)
+    size = (args.out / "drafter" / "model.safetensors").stat().st_size
+    print(f"done in {time.monotonic() - started:.0f} s; {args.out / 'drafter'} holds {size / 1e6:.1f} MB of weights")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The evaluation's numbers are the decoder's counters, summed over prompts, for a tiny target and drafter."""
+import pytest
+import torch
+
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.data import DOMAINS, Prompt
+from dspark.decoder import SpeculativeDecoder
+from dspark.drafter import DSparkDrafter
+from dspark.eval import evaluate, markdown_table
+from dspark.sampling import SamplingParams
+from dspark.target import TargetModel
+
+K = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On the shared 2-core machine a second torch thread mostly waits for the first."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ByteTokenizer:
+    """Stands in for a real tokenizer: a prompt's bytes, folded into the tiny vocabulary."""
+    eos_token_ids = [1]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [2 + b % 30 for b in messages[-1]["content"].encode()]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    target = TargetModel(TargetConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # peaked enough that a random drafter is sometimes right, at several positions
+        target.lm_head.weight.mul_(3.0)
+    config = DrafterConfig.for_target(target.config, num_hidden_layers=1, block_size=K, target_layer_ids=[0],
+                                      markov_rank=8, mask_token_id=0)
+    drafter = DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
+    return target, drafter
+
+
+PROMPTS = [Prompt(text, domain) for text, domain in
+           [("two plus two", "math"), ("say hello", "chat"), ("def f(x):", "code"), ("once upon", "prose"),
+            ("a b c d", "chat"), ("x = 1", "code")]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_are_the_decoders_counters(pair, temperature):
+    target, drafter = pair
+    tokenizer = ByteTokenizer()
+    rows = evaluate(target, {"tiny": drafter}, PROMPTS, tokenizer, temperatures=[temperature],
+                    num_speculative_tokens=K, max_tokens=12, batch_size=4, seed=5)
+    assert [(r.method, r.temperature) for r in rows] == [("standard", temperature), ("block", temperature)]
+
+    for row in rows:
+        decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=K, rejection_sample_method=row.method)
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}]) for p in PROMPTS]
+        params = [SamplingParams(temperature=temperature, seed=5 + i, max_tokens=12, stop_token_ids=[1])
+                  for i in range(len(PROMPTS))]
+        results = decoder.generate(prompts, params)
+        steps = sum(r.num_steps for r in results)
+        accepted = [sum(r.accepted_per_position[k] for r in results) for k in range(K)]
+        assert row.total.steps == steps and row.total.accepted == accepted
+        assert row.total.tokens == sum(len(r.tokens) for r in results)
+        assert row.total.per_position == pytest.approx([a / steps for a in accepted])
+        assert row.total.acceptance_length == pytest.approx(1 + sum(row.total.per_position))
+        assert 0 < accepted[0] < steps and accepted[1] > 0  # the counts say something
+        assert all(a >= b for a, b in zip(accepted, accepted[1:]))  # a draft counts only after its prefix
+        code = [r for r, p in zip(results, PROMPTS) if p.domain == "code"]
+        assert row.by_domain["code"].steps == sum(r.num_steps for r in code)
+        assert sum(d.steps for d in row.by_domain.values()) == steps
+
+
+def test_markdown_table_has_a_line_per_row(pair):
+    target, drafter = pair
+    rows = evaluate(target, {"a": drafter, "b": drafter}, PROMPTS[:2], ByteTokenizer(), temperatures=[0.0],
+                    methods=["standard"], num_speculative_tokens=K, max_tokens=6)
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 2 + len(rows)
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:4] == ["drafter", "T", "verify", "AL"] and f"acc@{K}" in header
+    for line, row in zip(lines[2:], rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == row.drafter and float(cells[3]) == pytest.approx(row.total.acceptance_length, abs=1e-3)
+        assert cells[4 + DOMAINS.index("code")] == "-"  # no code prompt among the first two

@@ -1,0 +1,218 @@
+"""Drafter training on a tiny target: it learns, it resumes exactly, and its corpus is sound.
+
+The tiny target is random but has structure to learn: its LM head is scaled up so its next-token
+distributions are peaked (entropy about 1 nat), and its own responses (self-distillation, as in
+the real recipe) repeat n-grams of its near-deterministic transitions.
+"""
+import json
+
+import pytest
+import torch
+
+from dspark import train as training
+from dspark.checkpoint import load_drafter
+from dspark.config import DrafterConfig, TargetConfig
+from dspark.data import DOMAINS, Sequence, heldout_prompts, self_distill, training_prompts
+from dspark.decoder import SpeculativeDecoder
+from dspark.drafter import DSparkDrafter
+from dspark.sampling import SamplingParams
+from dspark.target import TargetModel
+
+VOCAB = 64
+PROMPT_LEN = 4
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (count, PROMPT_LEN), generator=generator).tolist()
+
+
+def tiny_drafter_config(target: TargetModel, markov_rank: int = 16) -> DrafterConfig:
+    return DrafterConfig.for_target(
+        target.config, num_hidden_layers=1, block_size=4, markov_rank=markov_rank, mask_token_id=0,
+        target_layer_ids=[0, 2], enable_confidence_head=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On the shared 2-core machine a second torch thread mostly waits for the first."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    torch.manual_seed(0)
+    target = TargetModel(TargetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target.eval()
+
+
+@pytest.fixture(scope="module")
+def sequences(target, tmp_path_factory) -> list[Sequence]:
+    path = tmp_path_factory.mktemp("data") / "sequences.jsonl"
+    sequences, done = self_distill(target, random_prompts(32, seed=1), path, max_tokens=24, seed=0,
+                                   stop_token_ids=[], batch_size=32)
+    assert done and len(sequences) == 32
+    return sequences
+
+
+def greedy_acceptance_length(target: TargetModel, drafter: DSparkDrafter) -> float:
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=drafter.block_size)
+    results = decoder.generate(random_prompts(8, seed=2), SamplingParams(temperature=0.0, max_tokens=24))
+    return 1 + sum(sum(r.accepted_per_position) for r in results) / sum(r.num_steps for r in results)
+
+
+def test_training_lowers_the_loss_and_raises_the_acceptance_length(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=60, batch_size=8, num_anchors=24, lr=1e-2)
+    torch.manual_seed(0)
+    untrained = DSparkDrafter(tiny_drafter_config(target), embed_tokens=target.embed_tokens,
+                              lm_head=target.lm_head)
+    before = greedy_acceptance_length(target, untrained)
+    torch.manual_seed(0)  # the same initial weights
+    drafter, twin = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, log_every=5)
+    after = greedy_acceptance_length(target, drafter.drafter)
+
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    first, last = log[0]["drafter"], log[-1]["drafter"]
+    assert len(log) == 12
+    assert last["loss"] < 0.7 * first["loss"]
+    assert last["al_estimate"] > first["al_estimate"] + 0.5
+    assert after > before + 0.5, (before, after)
+    # Trained on the same batches, the twin without a Markov head drafts worse after the first slot.
+    assert last["al_estimate"] > log[-1]["drafter-rank0"]["al_estimate"] + 0.1
+
+
+def test_resume_reproduces_the_uninterrupted_run(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=6, batch_size=2, num_anchors=8, lr=3e-3)
+    drafter_config = tiny_drafter_config(target)
+    torch.manual_seed(0)
+    straight = training.train(target, drafter_config, sequences, tmp_path / "straight", config, save_every=4)
+
+    torch.manual_seed(0)
+    training.train(target, drafter_config, sequences, tmp_path / "split", config, stop=lambda step: step == 3,
+                   save_every=2)
+    assert torch.load(tmp_path / "split" / training.CHECKPOINT, weights_only=True)["step"] == 3
+    torch.manual_seed(1)  # a resumed run starts from other random weights, then loads the checkpoint
+    resumed = training.train(target, drafter_config, sequences, tmp_path / "split", config, resume=True)
+
+    for a, b in zip(straight, resumed, strict=True):
+        assert a.scheduler.state_dict() == b.scheduler.state_dict()
+        for (name, x), y in zip(a.drafter.state_dict().items(), b.drafter.state_dict().values()):
+            assert torch.equal(x, y), name
+        state_a, state_b = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+        for key in state_a:
+            assert all(torch.equal(state_a[key][k], state_b[key][k]) for k in state_a[key])
+
+
+def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=2, batch_size=2, num_anchors=4, rank0_twin=False)
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path, config)
+    with pytest.raises(FileExistsError, match="--resume"):
+        training.train(target, tiny_drafter_config(target), sequences, tmp_path, config)
+    with pytest.raises(ValueError, match="markov_rank"):
+        training.train(target, tiny_drafter_config(target, markov_rank=8), sequences, tmp_path, config, resume=True)
+
+
+def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=2, batch_size=2, num_anchors=4)
+    students = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config)
+    for student in students:
+        loaded = load_drafter(tmp_path / student.name, target)
+        trained = student.drafter.state_dict()
+        for name, tensor in loaded.state_dict().items():
+            expected = trained[name] if name.split(".")[0] in loaded.shared_modules else trained[name].bfloat16()
+            assert torch.equal(tensor, expected.float()), name
+    assert students[0].drafter.markov_head is not None
+    assert load_drafter(tmp_path / "drafter-rank0", target).markov_head is None
+
+
+def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
+    clock = [0.0, 4.0, 8.0, 12.0]  # each step takes 4 s
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock.pop(0) if clock else 12.0)
+    budget = training.TimeBudget(deadline=15.0)
+    assert [budget(step) for step in range(4)] == [False, False, False, True]  # 12 + 4 > 15
+    assert not any(training.TimeBudget(None)(step) for step in range(3))
+
+
+def test_default_drafter_config_fits_the_size_budget():
+    smollm2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
+    config = training.default_drafter_config(smollm2, mask_token_id=16)
+    assert config.target_layer_ids == [1, 14, 27] and config.block_size == 7
+    with torch.device("meta"):
+        embed = torch.nn.Embedding(smollm2.vocab_size, smollm2.hidden_size)
+        lm_head = torch.nn.Linear(smollm2.hidden_size, smollm2.vocab_size)
+        drafter = DSparkDrafter(config, embed_tokens=embed, lm_head=lm_head)
+    saved = sum(t.numel() for name, t in drafter.state_dict().items()
+                if name.split(".")[0] not in drafter.shared_modules)
+    assert 2 * saved <= 40e6  # bytes in bf16
+
+
+def test_target_layer_ids_follow_z_labs_spacing():
+    assert training.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B DFlash's published ids
+    assert training.build_target_layer_ids(30, 1) == [15]
+    assert all(max(training.build_target_layer_ids(n, m)) < n - 1 for n in (8, 30, 40) for m in (2, 3, 5))
+
+
+def test_batches_anchor_only_response_positions_with_labels():
+    sequences = [Sequence(list(range(1, 21)), prompt_len=12), Sequence(list(range(1, 9)), prompt_len=5)]
+    config = training.TrainConfig(batch_size=2, num_anchors=6)
+    for step in range(4):
+        batch = training.make_batch(sequences, step, config, block_size=3)
+        for row in range(2):
+            length = int((batch.tokens[row] > 0).sum())
+            seq = next(s for s in sequences if len(s.tokens) == length)
+            used = batch.valid[row, :, 0]
+            anchors = batch.anchors[row][used]
+            assert len(anchors) == min(6, length - 1 - seq.prompt_len)
+            assert anchors.min() >= seq.prompt_len and anchors.max() + 1 < length
+            label_at = batch.anchors[row, :, None] + torch.arange(1, 4)
+            assert torch.equal(batch.valid[row], used[:, None] & (label_at < length))
+
+
+# ---------------------------------------------------------------------------- corpus
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return training_prompts()
+
+
+def test_training_prompts_cover_every_domain(corpus):
+    counts = {d: sum(p.domain == d for p in corpus) for d in DOMAINS}
+    assert all(n >= 200 for n in counts.values()), counts
+    assert len({p.text for p in corpus}) == len(corpus)
+
+
+def test_heldout_prompts_are_disjoint_from_training(corpus):
+    heldout = heldout_prompts()
+    assert {p.domain for p in heldout} == set(DOMAINS) and len(heldout) >= 60
+
+    def runs(text: str, n: int = 8) -> set:
+        words = text.split()
+        return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+    seen = set().union(*(runs(p.text) for p in corpus))
+    shared = [p.text[:60] for p in heldout if runs(p.text) & seen]
+    assert not shared, f"held-out prompts share 8-word runs with training prompts: {shared}"
+    assert not {p.text for p in heldout} & {p.text for p in corpus}
+
+
+def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
+    prompts = random_prompts(6, seed=3)
+    whole, _ = self_distill(target, prompts, tmp_path / "whole.jsonl", max_tokens=8, seed=0, stop_token_ids=[],
+                            batch_size=3)
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:3]) + lines[3][:10])  # header, two sequences, half of the third
+    answered = []
+    resumed, done = self_distill(target, prompts, cut, max_tokens=8, seed=0, stop_token_ids=[], batch_size=3,
+                                 progress=answered.append)
+    assert done and resumed == whole
+    assert answered == [2, 3, 1]  # two from the cache, then the rest in batches
+    assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
