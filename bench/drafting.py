@@ -2,7 +2,7 @@
 
 B x K x V bfloat16 base logits, a rank-r vanilla Markov head in bfloat16, random data. Each variant
 runs the whole block; on GPU it is captured in a CUDA graph after warm-up and timed by replays
-(triton.testing.do_bench, median). Variants, in one process:
+(CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
 - dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch);
@@ -19,36 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 import torch
 import triton
 
 from dspark.drafting import ancestral_draft
 from dspark.markov import VanillaMarkov
-
-
-def median_us(fn, device: torch.device) -> float:
-    """Median µs of one call: CUDA-graph replays on GPU, wall clock on CPU."""
-    if device.type == "cpu":
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e6 * statistics.median(times)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+from timing import emit_table, median_us
 
 
 def stream_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -143,11 +120,7 @@ def main():
               f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."
               f"\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{datetime.date.today()}; streaming bandwidth {bandwidth / 1e12:.2f} TB/s.\n")
-    text = header + "\n" + table(rows) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit_table([header, table(rows)], args.out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ of the replays, measured with CUDA events.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import triton
 
 from dspark.ops.verify import verify_torch
+from timing import emit_table, median_us
 
 verify = torch.ops.dspark.verify
 
@@ -33,36 +32,6 @@ def inputs(B: int, K: int, V: int, device: str):
             torch.ones(B, device=device), seeds, offsets)
 
 
-def time_cuda_graph(fn, replays: int) -> float:
-    """Median microseconds of CUDA-graph replays of fn (captured after a warm-up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def time_cpu(fn, replays: int) -> float:
-    fn()
-    times = []
-    for _ in range(replays):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return 1e6 * statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -75,7 +44,6 @@ def main() -> None:
     if args.smoke:
         args.batch, args.k, args.vocab, args.replays = [1, 2], 3, 1000, 3
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    timer = time_cuda_graph if device == "cuda" else time_cpu
 
     rows = []
     for B in args.batch:
@@ -84,8 +52,8 @@ def main() -> None:
             block = rule == "block"
             emitted, n = verify(*data, block)
             expected, _ = verify_torch(*data, block)
-            op_us = timer(lambda: verify(*data, block), args.replays)
-            torch_us = timer(lambda: verify_torch(*data, block), args.replays)
+            op_us = median_us(lambda: verify(*data, block), device, args.replays)
+            torch_us = median_us(lambda: verify_torch(*data, block), device, args.replays)
             agree = (emitted == expected).all(dim=1).float().mean().item()
             rows.append((rule, B, op_us, torch_us, n.float().mean().item(), agree))
 
@@ -97,11 +65,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {rule} | {B} | {op:.1f} | {ref:.1f} | {ref / op:.1f}x | {acc:.2f} | {agree:.0%} |"
               for rule, B, op, ref, acc, agree in rows]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":

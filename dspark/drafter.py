@@ -20,7 +20,6 @@ one SDPA with DeepSpec's block mask.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 
 import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge)
 from dspark.config import DrafterConfig
-from dspark.layers import AttentionProjections, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from dspark.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from dspark.markov import build_markov_head
 
 
@@ -138,27 +137,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, conte
                                           enable_gqa=True)
 
 
-class DrafterLayer(nn.Module):
-    """A Qwen3 decoder layer whose attention is handed in: the block's queries attend over the
-    block's keys and the injected context's (which `attend` brings, from the cache or computed)."""
+class DrafterLayer(DecoderLayer):
+    """A Qwen3 decoder layer whose queries attend over the block's keys and the injected
+    context's (which `attend` brings, from the context cache or computed)."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = AttentionProjections(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        super().__init__(config)
         self.context_cache: ContextCache | None = None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        # x: [B, T, hidden] block slots; cos, sin: [B, T, head_dim];
-        # attend(q [B, H, T, D], k, v [B, H_kv, T, D]) -> [B, H, T, D]
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, cos, sin)
-        k, v = self.self_attn.keys_values(h, cos, sin)
-        x = x + self.self_attn.output(attend(q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class ConfidenceHead(nn.Module):

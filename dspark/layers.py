@@ -1,8 +1,9 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, the attention projections
-(with Qwen3's per-head q/k norm) and the SwiGLU MLP."""
+(with Qwen3's per-head q/k norm), the SwiGLU MLP and the pre-norm decoder layer."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,3 +101,25 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer with HF's module names. Which keys a query sees belongs to the
+    caller: `attend(q [B, H, T, D], k, v [B, H_kv, T, D]) -> [B, H, T, D]` gets this layer's own
+    queries, keys and values and brings the rest (a KV cache, the drafter's injected context)."""
+
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = AttentionProjections(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        # x: [B, T, hidden]; cos, sin: [B, T, head_dim]
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, cos, sin)
+        k, v = self.self_attn.keys_values(h, cos, sin)
+        x = x + self.self_attn.output(attend(q, k, v))
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.layers import AttentionProjections, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from dspark.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 class KVCache(nn.Module):
@@ -59,25 +59,22 @@ def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
     return visible[:, None, None].expand(-1, 1, groups, -1, -1).flatten(2, 3)
 
 
-class DecoderLayer(nn.Module):
+class TargetLayer(DecoderLayer):
+    """A decoder layer with its static KV cache (set by TargetModel.setup_caches)."""
+
     def __init__(self, config: TargetConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = AttentionProjections(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        super().__init__(config)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         # x: [B, T, hidden]; cos, sin: [B, T, head_dim]; mask: see attend; positions: [B, T]
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, cos, sin)
-        k, v = self.self_attn.keys_values(h, cos, sin)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(rows, positions, k, v)
-        x = x + self.self_attn.output(attend(q, k, v, mask))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        def attend_cached(q, k, v):
+            if self.kv_cache is not None:
+                k, v = self.kv_cache.update(rows, positions, k, v)
+            return attend(q, k, v, mask)
+
+        return super().forward(x, cos, sin, attend_cached)
 
 
 class TargetModel(nn.Module):
@@ -88,7 +85,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(TargetLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

