@@ -30,18 +30,11 @@ import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge
 from dspark.config import DrafterConfig
 from dspark.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from dspark.markov import build_markov_head
+from dspark.target import KVCache
 
 
-class ContextCache(nn.Module):
-    """One layer's keys and values of the injected context, at (cache row, absolute position).
-    Buffers, so compiled steps and CUDA graphs update them in place."""
-
-    def __init__(self, max_batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        shape = (max_batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+class ContextCache(KVCache):
+    """One layer's keys and values of the injected context, at (cache row, absolute position)."""
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # rows: [B]; positions: [B, T]; k, v: [B, num_kv_heads, T, head_dim]
