@@ -1,0 +1,62 @@
+"""The real default target (SmolLM2-135M-Instruct from its GGUF): speculative decoding at T = 0 is
+token-identical to the target's own greedy decoding, with a randomly initialised drafter (which
+exercises rejections everywhere) and with the shipped, trained drafter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, load_default
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    return load_default()
+
+
+@pytest.fixture(scope="module")
+def prompt(default_pair):
+    _, _, tokenizer = default_pair
+    return tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
+                                         tokenize=True)
+
+
+@pytest.fixture(scope="module")
+def target_greedy(default_pair, prompt):
+    """The target's own greedy continuation: one full forward per token, no cache, no decoder."""
+    target, _, _ = default_pair
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None])
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def random_drafter(default_pair):
+    target, _, _ = default_pair
+    torch.manual_seed(0)
+    config = DrafterConfig.for_target(target.config, num_hidden_layers=1, block_size=7, target_layer_ids=[1, 14],
+                                      markov_rank=16, mask_token_id=16)
+    return DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_random_drafter_greedy_is_the_targets(default_pair, random_drafter, prompt, target_greedy, k, method):
+    target, _, _ = default_pair
+    decoder = SpeculativeDecoder(target, random_drafter, num_speculative_tokens=k, rejection_sample_method=method)
+    assert decoder.generate([prompt], GREEDY)[0].tokens == target_greedy
+
+
+def test_shipped_drafter_greedy_is_the_targets_and_accepts(default_pair, prompt, target_greedy):
+    target, drafter, _ = default_pair
+    result = SpeculativeDecoder(target, drafter).generate([prompt], GREEDY)[0]
+    assert result.tokens == target_greedy
+    assert result.num_steps < NEW_TOKENS - 1  # the trained drafter gets drafts accepted
