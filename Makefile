@@ -16,4 +16,5 @@ test:
 	TRITON_INTERPRET=1 $(PY) -m pytest tests/interpret -q
 
 test-gpu:
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu needs a CUDA device')"
 	$(PY) -m pytest tests -m gpu -q

@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import DSparkDrafter
-from dspark.layers import rope_inv_freq
 from dspark.target import TargetModel
 
 CHECKPOINT_FILE = "model.safetensors"
@@ -71,7 +70,7 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
         # A copy: own, aligned memory rather than a view into the file's buffer.
         state[name] = tensor.to(device=device, dtype=dtype, copy=True)
     drafter.load_state_dict(state, strict=False, assign=True)
-    drafter.inv_freq = rope_inv_freq(config).to(device)  # a buffer, not in checkpoints: still on meta
+    drafter.rotary.reset(device)  # a buffer, not in checkpoints: still on meta
     return drafter
 
 

@@ -130,6 +130,7 @@ class DrafterConfig(TargetConfig):
             if alias in flat:
                 flat.setdefault(name, flat[alias])
         flat.setdefault("architecture", "qwen3")
+        _flatten_rope_parameters(flat)
         return cls(**_known_fields(cls, flat))
 
     @classmethod

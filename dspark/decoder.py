@@ -39,11 +39,10 @@ class StopCondition:
 
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None):
         self.max_tokens = params.max_tokens
-        self.stop_ids = set(params.stop_token_ids or ())
+        self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(eos_ids)
-        stop = params.stop or []
-        self.stop_strings = [stop] if isinstance(stop, str) else list(stop)
+        self.stop_strings = params.stop
         if self.stop_strings and tokenizer is None:
             raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
                              "pass tokenizer= to SpeculativeDecoder")
@@ -81,10 +80,15 @@ class SpeculativeDecoder:
                  use_rejection_sampling: bool = True, tokenizer=None,
                  forced_num_accepted: int | None = None, compile: bool = False,
                  max_draft_len: int | None = None):
+        if None not in (num_speculative_tokens, max_draft_len) and num_speculative_tokens != max_draft_len:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} and its alias "
+                             f"max_draft_len={max_draft_len} disagree")
         k = num_speculative_tokens if num_speculative_tokens is not None else max_draft_len
         if k is None:
             k = drafter.config.block_size if drafter is not None else 0
-        if k < 0 or (drafter is None and k > 0):
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        if drafter is None and k > 0:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter (got drafter={drafter!r})")
         if drafter is not None and k > drafter.config.block_size:
             raise ValueError(f"num_speculative_tokens={k} exceeds the drafter's block_size "
@@ -110,14 +114,14 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ the static step
 
     def _step(self, tokens: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-              sampling: SamplingTensors, use_filters: bool):
+              sampling: SamplingTensors):
         """tokens: [B, K+1] (anchor, drafts); start: [B] position of the anchor;
         draft_probs: [B, K, V] proposals of the drafts.
         Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B]."""
         k = self.k
         positions = start[:, None] + torch.arange(k + 1, device=start.device)
         logits, hidden = self.target(tokens, positions, hidden_layer_ids=self.layer_ids)
-        if use_filters:
+        if sampling.uses_filters:  # a static flag of the batch: temperature-only batches run no filter
             logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p,
                                    sampling.min_p)
         slots = torch.arange(tokens.shape[0], device=tokens.device)
@@ -158,7 +162,9 @@ class SpeculativeDecoder:
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Decodes every prompt to completion. `on_tokens(i, new_tokens)` streams request i's
         tokens as they are accepted."""
-        if not prompts or any(len(p) == 0 for p in prompts):
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         params = params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -174,15 +180,18 @@ class SpeculativeDecoder:
         results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
 
         batch, device = len(prompts), self.device
-        max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) + self.k + 2
+        longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+        if longest > self.target.config.max_position_embeddings:
+            raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
+                             f"max_position_embeddings {self.target.config.max_position_embeddings}")
+        max_len = longest + self.k + 2
         self.target.setup_caches(batch, max_len)
         if self.drafter is not None:
             self.drafter.setup_caches(batch, max_len)
         sampling = SamplingTensors.from_params(params, device)
-        use_filters = any(p.uses_filters for p in params)
         draft_probs = torch.zeros(batch, self.k, vocab, device=device)
 
-        anchor, start = self._prefill(prompts, sampling, use_filters)
+        anchor, start = self._prefill(prompts, sampling)
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
             self._emit(i, [token], results, stops, active, on_tokens)
@@ -193,21 +202,21 @@ class SpeculativeDecoder:
 
         while active.any():
             emitted, num_accepted, next_tokens, next_start = self.step(
-                tokens, start, draft_probs, sampling, use_filters)
+                tokens, start, draft_probs, sampling)
             emitted_host, accepted_host = emitted.cpu(), num_accepted.cpu()
             for i in active.nonzero().flatten().tolist():
                 n = int(accepted_host[i])
                 results[i].num_steps += 1
-                for pos in range(n):
+                taken = self._emit(i, emitted_host[i, :n + 1].tolist(), results, stops, active, on_tokens)
+                for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
                     results[i].accepted_per_position[pos] += 1
-                self._emit(i, emitted_host[i, :n + 1].tolist(), results, stops, active, on_tokens)
             # Finished rows stay in the static batch, frozen: same inputs, same cache positions.
             keep = active.to(device)
             tokens = torch.where(keep[:, None], next_tokens, tokens)
             start = torch.where(keep, next_start, start)
         return results
 
-    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors, use_filters: bool):
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors):
         """Runs the prompts through the target into their cache rows (prompts of one length
         together) and fills the drafter's context, then draws every request's first token.
         Returns those tokens [B] and their positions [B]."""
@@ -225,7 +234,7 @@ class SpeculativeDecoder:
                 self.drafter.append_context(hidden, positions, rows=rows)
             last_logits[rows] = logits[:, -1:]
         logits = last_logits
-        if use_filters:
+        if sampling.uses_filters:
             logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         start = torch.tensor([len(p) for p in prompts], device=device)
         batch = len(prompts)
@@ -237,8 +246,9 @@ class SpeculativeDecoder:
         return emitted[:, 0], start
 
     @staticmethod
-    def _emit(i: int, new: list[int], results, stops, active, on_tokens):
-        """Appends request i's new tokens one at a time until its stop condition holds."""
+    def _emit(i: int, new: list[int], results, stops, active, on_tokens) -> int:
+        """Appends request i's new tokens one at a time until its stop condition holds; returns
+        how many it took."""
         out, taken = results[i], []
         for token in new:
             out.tokens.append(token)
@@ -250,3 +260,4 @@ class SpeculativeDecoder:
                 break
         if on_tokens is not None and taken:
             on_tokens(i, taken)
+        return len(taken)

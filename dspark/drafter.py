@@ -28,7 +28,7 @@ from torch import nn
 
 import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge)
 from dspark.config import DrafterConfig
-from dspark.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from dspark.layers import DecoderLayer, RMSNorm, Rotary
 from dspark.markov import build_markov_head
 from dspark.target import KVCache
 
@@ -181,7 +181,7 @@ class DSparkDrafter(nn.Module):
         markov_input = config.markov_rank if config.confidence_head_with_markov else 0  # rank 0: no head
         self.confidence_head = ConfidenceHead(d, markov_input) if config.enable_confidence_head else None
         # float32 whatever the weights' dtype: build the model in its dtype rather than casting it.
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.rotary = Rotary(config)
         self.scale = config.head_dim ** -0.5
         self.max_seq_len: int | None = None
 
@@ -215,7 +215,7 @@ class DSparkDrafter(nn.Module):
         """
         self._check_caches()
         context = self.fuse_context(features)
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        cos, sin = self.rotary(positions)
         if rows is None:
             rows = torch.arange(positions.shape[0], device=positions.device)
         for layer in self.layers:
@@ -238,7 +238,7 @@ class DSparkDrafter(nn.Module):
         offsets = torch.arange(K, device=device)
         tokens = torch.cat([anchor[:, None], anchor.new_full((batch, K - 1), c.mask_token_id)], dim=1)
         positions = start[:, None] + offsets
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        cos, sin = self.rotary(positions)
 
         window = c.sliding_window
         if window is None:  # the whole cache, masked at the block start
@@ -272,13 +272,13 @@ class DSparkDrafter(nn.Module):
         (batch, length), num_blocks, device = tokens.shape, anchors.shape[1], tokens.device
         context = self.fuse_context(features)
         context_pos = torch.arange(length, device=device).expand(batch, length)
-        context_cos, context_sin = rope_cos_sin(self.inv_freq, context_pos)
+        context_cos, context_sin = self.rotary(context_pos)
 
         block_tokens = tokens.new_full((batch, num_blocks, K), c.mask_token_id)
         block_tokens[:, :, 0] = tokens.gather(1, anchors)
         offsets = torch.arange(K, device=device)
         positions = (anchors[..., None] + offsets).flatten(1)  # [B, N*K]
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        cos, sin = self.rotary(positions)
 
         block_start = anchors.repeat_interleave(K, dim=1)
         to_context = context_visible(context_pos, positions, block_start, c.sliding_window)

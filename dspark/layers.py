@@ -47,11 +47,29 @@ def rope_inv_freq(config: TargetConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled).float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions: [B, T] int -> cos, sin: [B, T, head_dim] float32 (HF's half-split layout)
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+class Rotary(nn.Module):
+    """RoPE angles for positions. The frequencies stay float32 whatever the model is cast to:
+    bfloat16 angles position * inv_freq are off by whole radians at long positions."""
+
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset(self, device: torch.device | str) -> None:
+        """Recomputes the frequencies on `device` (after a model was built on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.reset(self.inv_freq.device)
+        return self
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] int -> cos, sin: [B, T, head_dim] float32 (HF's half-split layout)
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

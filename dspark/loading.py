@@ -87,7 +87,7 @@ def _build(config: TargetConfig, tensors: Tensors, source_name: Callable[[str], 
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config).to(device)  # a buffer, not in checkpoints: still on meta
+    model.rotary.reset(device)  # a buffer, not in checkpoints: still on meta
     return model
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from dspark.layers import DecoderLayer, RMSNorm, Rotary
 
 
 class KVCache(nn.Module):
@@ -90,15 +90,8 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.rotary = Rotary(config)
         self.max_seq_len: int | None = None
-
-    def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) would cast the RoPE frequencies too, and bfloat16 angles
-        # position * inv_freq are off by whole radians at long positions: keep them float32.
-        super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
-        return self
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """Allocates a KV cache per layer in the model's dtype and device; later forwards write to it."""
@@ -129,7 +122,7 @@ class TargetModel(nn.Module):
             cached = torch.arange(self.max_seq_len, device=tokens.device)
             visible = cached[None, None, :] <= positions[:, :, None]
         mask = grouped_mask(visible, self.config.num_attention_heads // self.config.num_key_value_heads)
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        cos, sin = self.rotary(positions)
 
         x = self.embed_tokens(tokens)
         hidden = {-1: x} if -1 in hidden_layer_ids else {}

@@ -75,7 +75,7 @@ def test_loads_in_the_asked_dtype_with_float32_rope(tmp_path):
     save_drafter(make_drafter(), tmp_path)
     loaded = load_drafter(tmp_path, target, dtype=torch.bfloat16)
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
-    assert loaded.inv_freq.dtype == torch.float32 and loaded.inv_freq.device.type == "cpu"
+    assert loaded.rotary.inv_freq.dtype == torch.float32 and loaded.rotary.inv_freq.device.type == "cpu"
 
 
 def write_deepspec_folder(folder, drafter, config_update, renames=None):

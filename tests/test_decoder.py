@@ -95,16 +95,19 @@ def sample_first_three(decoder: SpeculativeDecoder, prompt: list[int], params: S
 # times past it (measured: statistic 8.1e3 against a threshold of 787, df 478).
 N_DRAWS = 30000
 N_CONTROL_DRAWS = 10000
-LOSSLESS_CASES = [("standard", 1.0, 1.0), ("block", 1.0, 1.0), ("standard", 0.7, 0.9), ("block", 0.7, 0.9)]
+# K = 4 checks several drafts verified in one step; K = 1 makes the three tokens come from
+# different steps, so it checks what carries over from one step to the next (caches, offsets).
+LOSSLESS_CASES = [("standard", 1.0, 1.0, 4), ("block", 1.0, 1.0, 4), ("standard", 0.7, 0.9, 4),
+                  ("block", 0.7, 0.9, 4), ("standard", 1.0, 1.0, 1)]
 
 
-@pytest.mark.parametrize("method,temperature,top_p", LOSSLESS_CASES)
-def test_lossless_joint_law_of_first_three_tokens(method, temperature, top_p):
+@pytest.mark.parametrize("method,temperature,top_p,k", LOSSLESS_CASES)
+def test_lossless_joint_law_of_first_three_tokens(method, temperature, top_p, k):
     target, drafter = tiny_pair()
     prompt = [3, 7, 1]
     law = target_joint_law(target, prompt, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
-    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, rejection_sample_method=method)
     counts = sample_first_three(decoder, prompt, params, N_DRAWS)
     assert_matches(counts, law, f"{method} T={temperature} top_p={top_p}")
     assert_matches(counts.reshape(law.shape).sum((1, 2)), law.sum((1, 2)), "first token")
@@ -127,6 +130,22 @@ def test_misstated_proposals_fail_the_same_test(method):
     law = target_joint_law(target, prompt, 1.0, 1.0)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     decoder = MisstatedProposals(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
+    assert_differs(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS), law)
+
+
+def test_noise_reused_across_steps_fails_the_same_test(monkeypatch):
+    """Negative control for the step boundary: every step draws with offset 0, so the steps of a
+    request reuse one another's noise. Measured: statistic 5.4e3 against a threshold of 787."""
+    import dspark.decoder as decoder_module
+    verify, draft = decoder_module.verify, decoder_module.ancestral_draft
+    monkeypatch.setattr(decoder_module, "verify", lambda *a: verify(*a[:6], torch.zeros_like(a[6]), a[7]))
+    monkeypatch.setattr(decoder_module, "ancestral_draft",
+                        lambda *a: draft(*a[:6], torch.zeros_like(a[6]), *a[7:]))
+    target, drafter = tiny_pair()
+    prompt = [3, 7, 1]
+    law = target_joint_law(target, prompt, 1.0, 1.0)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=1)
     assert_differs(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS), law)
 
 

@@ -59,4 +59,4 @@ def test_shipped_drafter_greedy_is_the_targets_and_accepts(default_pair, prompt,
     target, drafter, _ = default_pair
     result = SpeculativeDecoder(target, drafter).generate([prompt], GREEDY)[0]
     assert result.tokens == target_greedy
-    assert result.num_steps < NEW_TOKENS - 1  # the trained drafter gets drafts accepted
+    assert result.accepted_per_position[1] > 0  # the trained drafter gets several drafts accepted in a step

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import (DSparkDrafter, block_visible, context_visible, merged_block_attention,
                             partial_attention)
-from dspark.layers import rope_cos_sin
 
 TARGET = TargetConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -36,8 +35,8 @@ def reference_block(drafter, features, anchor, start):
     c, K = drafter.config, drafter.config.block_size
     context = drafter.hidden_norm(drafter.fc(features[None, :start]))
     context_pos, block_pos = torch.arange(start)[None], start + torch.arange(K)[None]
-    context_rope = rope_cos_sin(drafter.inv_freq, context_pos)
-    block_rope = rope_cos_sin(drafter.inv_freq, block_pos)
+    context_rope = drafter.rotary(context_pos)
+    block_rope = drafter.rotary(block_pos)
     key_pos = torch.cat([context_pos, block_pos], 1)[0]
     mask = None
     if c.sliding_window is not None:
@@ -210,3 +209,9 @@ def test_cuda_compiled_step_matches_cpu(window):
         got = torch.compile(step, fullgraph=True)(*(t.cuda() for t in inputs))
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_frequencies_stay_float32_when_the_drafter_is_cast():
+    config = DrafterConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    drafter = DSparkDrafter(config).to(torch.bfloat16)
+    assert drafter.rotary.inv_freq.dtype == torch.float32

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, num_chunks
 from dspark.ops.proposal import write_proposals
-from tests.stats import assert_differs, assert_matches
+from stats import assert_differs, assert_matches
 
 K, V = 2, 40
 

@@ -79,7 +79,7 @@ def test_hf_folder_in_bfloat16_loads_in_the_requested_dtype(tmp_path):
     save_hf(model, tmp_path / "m", dtype=torch.bfloat16)
     loaded = load_target(tmp_path / "m", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
-    assert loaded.inv_freq.dtype == torch.float32
+    assert loaded.rotary.inv_freq.dtype == torch.float32
     reference = make_model().to(torch.bfloat16)
     torch.testing.assert_close(logits_of(loaded), logits_of(reference), atol=0, rtol=0)
 

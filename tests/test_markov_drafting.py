@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dspark.config import DrafterConfig
 from dspark.drafting import ancestral_draft
 from dspark.markov import GatedMarkov, RNNMarkov, VanillaMarkov, build_markov_head
-from tests.stats import assert_differs, assert_matches
+from stats import assert_differs, assert_matches
 
 V, R, D = 10, 4, 8
 

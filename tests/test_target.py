@@ -150,7 +150,7 @@ def test_llama3_rope_scaling_changes_low_frequencies_only():
     model = make_model(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)
     unscaled = TargetModel(TargetConfig(**{**model.config.to_dict(), "rope_scaling": None})).eval()
     unscaled.load_state_dict(model.state_dict())
-    torch.testing.assert_close(model.inv_freq, rope_inv_freq(model.config))
+    torch.testing.assert_close(model.rotary.inv_freq, rope_inv_freq(model.config))
     tokens, pos = torch.randint(0, 97, (1, 8)), torch.arange(8)[None]
     with torch.no_grad():
         a, b = model(tokens, pos)[0], unscaled(tokens, pos)[0]
@@ -182,7 +182,7 @@ def test_dtype_of_caches_logits_and_hidden():
     model.setup_caches(max_batch_size=2, max_seq_len=8)
     assert model.layers[0].kv_cache.k_cache.shape == (2, 2, 8, 8)
     assert model.layers[0].kv_cache.k_cache.dtype == torch.bfloat16
-    assert model.inv_freq.dtype == torch.float32  # RoPE angles stay float32
+    assert model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
     logits, hidden = model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), hidden_layer_ids=(1,))
     assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
 

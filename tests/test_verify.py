@@ -224,7 +224,7 @@ def test_greedy_rows_follow_the_argmax(block):
     B, K, V = 6, 4, 50
     logits, drafts, draft_probs, slots, temperature, seeds, offsets = random_inputs(B, K, V, 0, 0.0)
     temperature[1] = 1.0  # a sampled row in the batch changes nothing for the others
-    logits[0, 2, [7, 30]] = logits[0, 2].max() + 1  # a tie: the smaller id is the argmax
+    logits[2, 2, [7, 30]] = logits[2, 2].max() + 1  # a tie at a position row 2 emits: the smaller id wins
     argmax = logits.argmax(-1)
     agree = [1, 0, 4, 2, 0, 3]  # leading drafts that equal the argmax
     for b, m in enumerate(agree):
@@ -232,7 +232,7 @@ def test_greedy_rows_follow_the_argmax(block):
         if m < K:
             drafts[b, m] = (argmax[b, m] + 1) % V
     emitted, n = verify(logits, drafts, draft_probs, slots, temperature, seeds, offsets, block)
-    assert argmax[0, 2] == 7
+    assert argmax[2, 2] == 7 and emitted[2, 2] == 7
     for b, m in enumerate(agree):
         if b == 1:
             continue
