@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import statistics
 import time
@@ -22,17 +20,9 @@ import time
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder, load_default
+from dspark.data import heldout_prompts, render
 from dspark.loading import default_gguf_path
 from timing import emit_table
-
-HELDOUT = os.path.join(os.path.dirname(__file__), "..", "dspark", "assets", "prompts", "heldout.jsonl")
-
-
-def heldout_prompts(tokenizer, n: int) -> list[list[int]]:
-    with open(HELDOUT) as f:
-        texts = [json.loads(line)["text"] for line in f][:n]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True) for t in texts]
-
 
 def run_dspark(decoder: SpeculativeDecoder, prompts, params: SamplingParams):
     """Returns (median tokens/s, mean tokens per step)."""
@@ -69,7 +59,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     target, drafter, tokenizer = load_default()
-    prompts = heldout_prompts(tokenizer, args.prompts)
+    prompts = render(tokenizer, heldout_prompts()[:args.prompts])
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     plain = SpeculativeDecoder(target, None)

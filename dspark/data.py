@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import random
 import sysconfig
 import textwrap
@@ -181,9 +182,9 @@ def response_params(index: int, seed: int, max_tokens: int, stop_token_ids: list
 def read_cache(path: Path, settings: dict) -> list[Sequence]:
     """The sequences cached at `path` (none if absent). A half-written last line (an interrupted
     run) is dropped; a cache made with other `settings` is an error."""
-    if not path.exists():
+    lines = path.read_text().splitlines() if path.exists() else []
+    if not lines:
         return []
-    lines = path.read_text().splitlines()
     header = json.loads(lines[0])
     if header != settings:
         raise ValueError(f"{path} was generated with {header}, not {settings}; use another --out or delete it")
@@ -215,9 +216,10 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
         progress(len(sequences))
     path.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpeculativeDecoder(target, None)
-    with path.open("w") as cache:  # rewritten (without a half-written last line), then appended to
-        cache.write(json.dumps(settings) + "\n")
-        cache.writelines(_cache_line(s) for s in sequences)
+    rewritten = path.with_suffix(".tmp")  # without a half-written last line; replaces the cache at once
+    rewritten.write_text(json.dumps(settings) + "\n" + "".join(_cache_line(s) for s in sequences))
+    os.replace(rewritten, path)
+    with path.open("a") as cache:
         for begin in range(len(sequences), len(prompts), batch_size):
             if stop is not None and stop(begin):
                 return sequences, False

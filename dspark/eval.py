@@ -122,10 +122,8 @@ def main(argv=None) -> None:
     target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
     if args.drafter:
         drafters = {path.name: load_drafter(path, target) for path in args.drafter}
-    elif default_drafter is not None:
-        drafters = {"default": default_drafter}
     else:
-        raise SystemExit("no drafter ships with the default model yet: pass --drafter PATH")
+        drafters = {"default": default_drafter}
     prompts = heldout_prompts()[:args.num_prompts]
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
                     num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,

@@ -21,6 +21,7 @@ from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it by dspark.train
 
 # A checkpoint's tensors: source name -> (file name, function that reads the tensor in HF layout).
 Tensors = dict[str, tuple[str, Callable[[], torch.Tensor]]]
@@ -48,9 +49,6 @@ def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device 
     path = default_gguf_path()
     target = load_target(path, dtype, device)
     return target, load_drafter(DEFAULT_DRAFTER, target), Tokenizer.from_gguf(path)
-
-
-DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"
 
 
 def default_gguf_path() -> Path:
