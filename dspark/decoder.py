@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 import torch
 
 from dspark.drafter import DSparkDrafter
-from dspark.drafting import ancestral_draft
-from dspark.ops.verify import verify
+from dspark.drafting import ancestral_draft, greedy_draft
+from dspark.ops.verify import greedy_verify, verify
 from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
 from dspark.target import TargetModel
 
@@ -121,13 +121,7 @@ class SpeculativeDecoder:
         k = self.k
         positions = start[:, None] + torch.arange(k + 1, device=start.device)
         logits, hidden = self.target(tokens, positions, hidden_layer_ids=self.layer_ids)
-        if sampling.uses_filters:  # a static flag of the batch: temperature-only batches run no filter
-            logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                                   sampling.min_p)
-        slots = torch.arange(tokens.shape[0], device=tokens.device)
-        emitted, num_accepted = verify(
-            logits, tokens[:, 1:], draft_probs, slots, sampling.temperature, sampling.seed, start,
-            self.block_verify)
+        emitted, num_accepted = self._verify(logits, tokens[:, 1:], draft_probs, sampling, start)
         if self.forced_num_accepted is not None:
             emitted, num_accepted = self._force_acceptance(tokens, logits)
         anchor = emitted.gather(1, num_accepted[:, None]).squeeze(1)
@@ -138,10 +132,25 @@ class SpeculativeDecoder:
         drafts = self._draft(anchor, next_start, draft_probs, sampling)
         return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start
 
+    def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
+                sampling: SamplingTensors, offset: torch.Tensor):
+        """logits: [B, K+1, V]; drafts: [B, K]; offset: [B] -> emitted [B, K+1], num_accepted [B].
+        The batch's static flags pick the path: filters only when a request asks for one, and
+        neither statistics nor noise when every request is greedy."""
+        if sampling.all_greedy:
+            return greedy_verify(logits, drafts)
+        if sampling.uses_filters:
+            logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        slots = torch.arange(drafts.shape[0], device=drafts.device)
+        return verify(logits, drafts, draft_probs, slots, sampling.temperature, sampling.seed, offset,
+                      self.block_verify)
+
     def _draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
                sampling: SamplingTensors) -> torch.Tensor:
         """anchor, start: [B] -> drafts [B, K]; writes their proposals into draft_probs."""
         base_logits, hidden = self.drafter.forward_block(anchor, start)
+        if sampling.all_greedy:
+            return greedy_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head, anchor)
         temperature = torch.zeros_like(sampling.temperature) if self.greedy_drafts else sampling.temperature
         slots = torch.arange(anchor.shape[0], device=anchor.device)
         return ancestral_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head,
@@ -233,16 +242,10 @@ class SpeculativeDecoder:
             if self.drafter is not None:
                 self.drafter.append_context(hidden, positions, rows=rows)
             last_logits[rows] = logits[:, -1:]
-        logits = last_logits
-        if sampling.uses_filters:
-            logits = apply_filters(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         start = torch.tensor([len(p) for p in prompts], device=device)
-        batch = len(prompts)
-        no_drafts = torch.empty(batch, 0, dtype=torch.long, device=device)
-        no_probs = torch.empty(batch, 0, logits.shape[-1], device=device)
-        slots = torch.arange(batch, device=device)
-        emitted, _ = verify(logits, no_drafts, no_probs, slots, sampling.temperature,
-                                             sampling.seed, start - 1, self.block_verify)
+        no_drafts = torch.empty(len(prompts), 0, dtype=torch.long, device=device)
+        no_probs = torch.empty(len(prompts), 0, last_logits.shape[-1], device=device)
+        emitted, _ = self._verify(last_logits, no_drafts, no_probs, sampling, start - 1)
         return emitted[:, 0], start
 
     @staticmethod

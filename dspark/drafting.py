@@ -51,3 +51,28 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     tokens = torch.stack(tokens, dim=1)
     write_proposals(biased, chunk_max, chunk_sum, temperature, tokens, slots, draft_probs)
     return tokens
+
+
+def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
+    """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
+    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows; a batch of
+    greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
+
+    logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.
+    """
+    batch, positions, _ = logits.shape
+    prev = state = None
+    if head is not None:
+        prev, state = head.markov_w1(anchor), head.initial_state(batch)
+    tokens = []
+    for k in range(positions):
+        biased = logits[:, k].float()
+        biased = biased.masked_fill(biased.isnan(), 0.0)
+        if head is not None:
+            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
+            biased = biased + bias.float()
+        token = biased.argmax(dim=-1)
+        if head is not None:
+            prev = head.markov_w1(token)
+        tokens.append(token)
+    return torch.stack(tokens, dim=1)

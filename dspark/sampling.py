@@ -67,6 +67,7 @@ class SamplingTensors:
     min_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
     uses_filters: bool = False  # some row needs apply_filters
+    all_greedy: bool = False  # every row is greedy: drafting and verification need no noise
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
@@ -83,6 +84,7 @@ class SamplingTensors:
             min_p=tensor([p.min_p for p in params], torch.float32),
             seed=tensor(seeds, torch.int64),
             uses_filters=any(p.uses_filters for p in params),
+            all_greedy=all(p.greedy for p in params),
         )
 
 

@@ -53,6 +53,17 @@ def test_greedy_equals_target_greedy(architecture, k, method):
         assert len(result.accepted_per_position) == k
 
 
+def test_greedy_rows_of_a_mixed_batch_equal_target_greedy():
+    """A batch with a sampled request takes the ops' path (noise, proposals) for its greedy rows too."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=0)]
+    for method in ("standard", "block"):
+        decoder = SpeculativeDecoder(target, drafter, rejection_sample_method=method)
+        greedy, _ = decoder.generate([[1, 2, 3], [1, 2, 3]], params)
+        assert greedy.tokens == target_greedy(target, [1, 2, 3], 12)
+
+
 def test_greedy_drafts_without_rejection_sampling_are_lossless_and_plain_decoding_matches():
     target, drafter = tiny_pair(vocab=64, logit_std=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

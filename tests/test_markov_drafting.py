@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.config import DrafterConfig
-from dspark.drafting import ancestral_draft
+from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.markov import GatedMarkov, RNNMarkov, VanillaMarkov, build_markov_head
 from stats import assert_differs, assert_matches
 
@@ -250,3 +250,16 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw():
         assert (captured != eager).float().mean() > 0.5  # a new offset draws anew
         assert torch.equal(captured, ancestral_draft(*inputs))
         assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs), captured)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn", None])
+def test_greedy_draft_is_what_ancestral_draft_draws_for_greedy_rows(kind):
+    head = make_head(kind) if kind else None
+    B, K = 6, 4
+    logits, hidden, anchor = 3 * torch.randn(B, K, V), torch.randn(B, K, D), torch.randint(0, V, (B,))
+    logits[1, :, [2, 5]] = 30.0  # a tie: the smaller id
+    logits[4] = float("nan")  # a padding row draws from the bias alone
+    draft_probs = torch.zeros(B, K, V)
+    seed, offset, slots = torch.arange(B), torch.zeros(B, dtype=torch.long), torch.arange(B)
+    want = ancestral_draft(logits, hidden, head, anchor, torch.zeros(B), seed, offset, slots, draft_probs)
+    assert torch.equal(greedy_draft(logits, hidden, head, anchor), want)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from dspark.ops.verify import verify_torch
+from dspark.ops.verify import greedy_verify, verify_torch
 from dspark.sampling import apply_filters
 from stats import assert_differs, assert_matches, chi_square_threshold
 
@@ -374,3 +374,18 @@ def test_gpu_compile_and_cuda_graph_match_eager(block):
     for got, want in zip(static, expected):
         assert torch.equal(got, want)
     assert not torch.equal(moved[0], expected[0])
+
+
+def test_greedy_verify_is_what_verify_does_for_greedy_rows():
+    B, K, V = 8, 4, 50
+    logits, drafts, draft_probs, slots, temperature, seeds, offsets = random_inputs(B, K, V, 0, 0.0)
+    argmax = logits.argmax(-1)
+    for b in range(B):  # row b agrees with the argmax for its first b % (K + 1) drafts
+        m = b % (K + 1)
+        drafts[b, :m] = argmax[b, :m]
+    logits[3, 1, [4, 9]] = logits[3, 1].max() + 1  # a tie
+    logits[6] = float("nan")
+    for block in (False, True):
+        want = verify(logits, drafts, draft_probs, slots, temperature, seeds, offsets, block)
+        got = greedy_verify(logits, drafts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

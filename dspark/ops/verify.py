@@ -86,8 +86,7 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     u = uniform_torch(seed[:, None], offset[:, None], torch.zeros_like(position), STREAM_ACCEPT + position)
 
     greedy = temperature == 0
-    argmax = scaled.argmax(dim=-1)  # [B, K+1]
-    n_greedy = (draft_tokens == argmax[:, :K]).long().cumprod(dim=-1).sum(dim=-1)
+    greedy_emitted, n_greedy = greedy_verify(scaled, draft_tokens)
     if block:
         n, rho = _block_length(probs, proposals, p_draft, q_draft, u)
         scale = torch.where(n < K, rho.gather(1, n[:, None]).squeeze(1), 1.0)
@@ -105,12 +104,29 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
                          STREAM_TARGET + n[:, None])
     sampled = torch.where(residual.gt(0).any(dim=-1), _gumbel_argmax(residual, noise),
                           _gumbel_argmax(p_row, noise))
-    token = torch.where(greedy, argmax.gather(1, n[:, None]).squeeze(1), sampled)
-
-    j = torch.arange(K1, device=n.device)
-    emitted = torch.where(j < n[:, None], F.pad(draft_tokens, (0, 1)), -1)
-    emitted = torch.where(j == n[:, None], token[:, None], emitted)
+    emitted = torch.where(greedy[:, None], greedy_emitted, _emit(draft_tokens, n, sampled))
     return emitted, n
+
+
+def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification of greedy rows: accept while d_i is the target's argmax (smallest id on ties),
+    then emit the argmax. What `verify` does for rows with T = 0, without its statistics and noise:
+    a batch whose requests are all greedy needs nothing else.
+
+    logits: [B, K+1, V] (any scale); draft_tokens: [B, K] -> emitted [B, K+1] (-1 padded), n [B]
+    """
+    K = draft_tokens.shape[1]
+    logits = logits.float()
+    argmax = logits.masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1)  # [B, K+1]
+    n = (draft_tokens == argmax[:, :K]).long().cumprod(dim=-1).sum(dim=-1)
+    return _emit(draft_tokens, n, argmax.gather(1, n[:, None]).squeeze(1)), n
+
+
+def _emit(draft_tokens: torch.Tensor, n: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """The n accepted drafts, then `token`, padded with -1. draft_tokens: [B, K]; n, token: [B]."""
+    j = torch.arange(draft_tokens.shape[1] + 1, device=n.device)
+    emitted = torch.where(j < n[:, None], F.pad(draft_tokens, (0, 1)), -1)
+    return torch.where(j == n[:, None], token[:, None], emitted)
 
 
 # ---------------------------------------------------------------- Triton
