@@ -86,9 +86,9 @@ def main(argv=None) -> None:
     result = decoder.generate([prompt], params, on_tokens=show)[0]
     seconds = time.perf_counter() - began
     sys.stdout.write(stream.flush() + "\n")
-    steps = max(result.num_steps, 1)
+    per_step = (len(result.tokens) - 1) / max(result.num_steps, 1)  # the first token comes from the prefill
     print(f"[{len(result.tokens)} tokens in {seconds:.2f} s ({len(result.tokens) / seconds:.1f} tok/s), "
-          f"{result.num_steps} steps, {len(result.tokens) / steps:.2f} tokens/step, "
+          f"{result.num_steps} steps, {per_step:.2f} tokens/step, "
           f"accepted per position {result.accepted_per_position}, finish: {result.finish_reason}]",
           file=sys.stderr)
 

@@ -42,7 +42,7 @@ TARGET_STREAM = tl.constexpr(STREAM_TARGET)
 # ---------------------------------------------------------------- torch
 
 def _scaled(target_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / T in float32, computed as logits * (1 / T) (the kernels round it the same way), with
+    """target_logits [B, N, V], temperature [B] -> [B, N, V]: logits / T in float32, computed as logits * (1 / T) (the kernels round it the same way), with
     NaN as -inf; greedy rows (T = 0) keep their logits."""
     inverse = 1.0 / torch.where(temperature > 0, temperature, 1.0)
     scaled = target_logits.float() * inverse.view(-1, 1, 1)
@@ -50,13 +50,15 @@ def _scaled(target_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
 
 
 def _gumbel_argmax(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax_v log w(v) + noise(v) over tokens of positive weight: a draw from w / sum(w)."""
+    """weights, noise [B, V] -> [B]: argmax_v log w(v) + noise(v) over tokens of positive weight,
+    a draw from w / sum(w)."""
     score = torch.where(weights > 0, weights.log() + noise, float("-inf"))
     return score.argmax(dim=-1)
 
 
 def _block_length(probs, proposals, p_draft, q_draft, eta):
-    """Block verification's accepted length tau [B] and capped ratios rho [B, K+1]."""
+    """Block verification's accepted length tau [B] and capped ratios rho [B, K+1].
+    probs [B, K+1, V], proposals [B, K, V]; p_draft, q_draft, eta [B, K]."""
     B, K = p_draft.shape
     ratio = torch.where(q_draft > 0, p_draft / q_draft, 0.0)
     rho = [torch.ones(B, device=ratio.device)]
