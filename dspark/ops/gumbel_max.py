@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from dspark.ops.checks import check_rows
 from dspark.ops.philox import STREAM_DRAFT, gumbel, gumbel_torch
 
 CHUNK_SIZE = 1024  # vocabulary tokens per step program (a power of two)
@@ -156,15 +157,8 @@ def _check_step(logits, bias, temperature, seed, offset, k, biased, chunk_max, c
                 or not stats.is_contiguous()):
             raise ValueError(f"{name} must be contiguous float32 [{batch}, {positions}, {chunks}] "
                              f"(chunks of {chunk_size}), got {stats.dtype} {tuple(stats.shape)}")
-    _check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
+    check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
                 offset=(offset, torch.int64))
-
-
-def _check_rows(batch: int, **tensors: tuple[Tensor, torch.dtype]):
-    for name, (t, dtype) in tensors.items():
-        if t.shape != (batch,) or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [{batch}] {dtype}, got {t.dtype} "
-                             f"{tuple(t.shape)} strides {t.stride()}")
 
 
 # ---------------------------------------------------------------- pick

@@ -14,6 +14,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from dspark.ops.checks import check_rows
+
 BLOCK_SIZE = 4096  # vocabulary tokens per proposal program
 
 
@@ -89,9 +91,7 @@ def write_proposals(biased: Tensor, chunk_max: Tensor, chunk_sum: Tensor, temper
     if tokens.shape != (batch, positions) or tokens.dtype != torch.int64:
         raise ValueError(f"tokens must be [{batch}, {positions}] int64, got {tokens.dtype} "
                          f"{tuple(tokens.shape)}")
-    if (temperature.shape != (batch,) or slots.shape != (batch,) or slots.dtype != torch.int64):
-        raise ValueError(f"temperature and slots must be [{batch}] (slots int64), got "
-                         f"{tuple(temperature.shape)} and {slots.dtype} {tuple(slots.shape)}")
+    check_rows(batch, temperature=(temperature, torch.float32), slots=(slots, torch.int64))
     if (draft_probs.dim() != 3 or draft_probs.shape[1:] != (positions, vocab)
             or draft_probs.dtype != torch.float32 or draft_probs.stride(-1) != 1):
         raise ValueError(f"draft_probs must be float32 [S, {positions}, {vocab}], got "
