@@ -77,31 +77,30 @@ def gumbel(seed, offset, token, stream):
 
 # ---------------------------------------------------------------- torch
 
-def _umulhi(a: torch.Tensor, b: int) -> torch.Tensor:
+def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of a * b for a < 2**32 (int64 tensor) and a 32-bit constant b,
+    in two 48-bit partial products so nothing overflows int64."""
     lo, hi = a * (b & 0xFFFF), a * (b >> 16)
-    return (hi + (lo >> 16)) >> 16
-
-
-def _mullo(a: torch.Tensor, b: int) -> torch.Tensor:
-    lo, hi = a * (b & 0xFFFF), a * (b >> 16)
-    return (((hi & 0xFFFF) << 16) + lo) & U32
+    return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & U32
 
 
 def philox_word_torch(seed: torch.Tensor, offset: torch.Tensor, token: torch.Tensor,
                       stream: torch.Tensor | int) -> torch.Tensor:
-    """Same as `philox_word`, in int64 arithmetic; all arguments broadcast together."""
+    """Same as `philox_word`, in int64 arithmetic; all arguments broadcast together. (They are
+    broadcast lazily: a per-row counter word stays [B, 1] until mixed with the token word.)"""
     c0 = token.long() & U32
     c1 = torch.as_tensor(stream, device=c0.device).long() & U32
     c2 = offset.long() & U32
     c3 = (offset.long() >> 32) & U32
     k0 = seed.long() & U32
     k1 = (seed.long() >> 32) & U32
-    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape, k0.shape)
     for _ in range(N_ROUNDS):
-        c0, c1, c2, c3 = (_umulhi(c2, ROUND_B) ^ c1 ^ k0, _mullo(c2, ROUND_B),
-                          _umulhi(c0, ROUND_A) ^ c3 ^ k1, _mullo(c0, ROUND_A))
+        hi_b, lo_b = _mul_hi_lo(c2, ROUND_B)
+        hi_a, lo_a = _mul_hi_lo(c0, ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + KEY_A) & U32, (k1 + KEY_B) & U32
-    return c0
+    return c0.expand(shape)
 
 
 def uniform_torch(seed, offset, token, stream) -> torch.Tensor:
