@@ -102,6 +102,12 @@ class TargetModel(nn.Module):
                                      weight.dtype, weight.device)
         self.max_seq_len = max_seq_len
 
+    def drop_caches(self) -> None:
+        """Frees the KV caches; forwards are plain causal forwards over the given tokens again."""
+        for layer in self.layers:
+            layer.kv_cache = None
+        self.max_seq_len = None
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
                 hidden_layer_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens, positions: [B, T] long; rows: [B] long cache rows (default 0..B-1).

@@ -316,13 +316,6 @@ def progress_line(summaries: dict[str, dict]) -> str:
     return " | ".join(parts)
 
 
-def drop_caches(target: TargetModel) -> None:
-    """Frees the KV caches a decoder allocated, so the target runs plain causal forwards again."""
-    for layer in target.layers:
-        layer.kv_cache = None
-    target.max_seq_len = None
-
-
 class TimeBudget:
     """A `stop` callback: says stop once the next step (or generation batch) would end after
     `deadline` (time.monotonic(); None: never), judging a step's length by the time between the
@@ -348,7 +341,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     to out/<name>; returns the students."""
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
-    drop_caches(target)
+    target.drop_caches()  # the self-distillation decoder left its KV caches
     students = [make_student("drafter", target, drafter_config, config)]
     if config.rank0_twin:
         twin_config = dataclasses.replace(drafter_config, markov_rank=0)

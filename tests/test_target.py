@@ -208,3 +208,13 @@ def test_compiled_fullgraph_matches_eager_without_recompiling():
         torch.testing.assert_close(got[0], want[0], atol=TOL, rtol=TOL)
         torch.testing.assert_close(got[1], want[1], atol=TOL, rtol=TOL)
     assert counter.frame_count == 2  # one graph for the prefill shape, one for all decode steps
+
+
+def test_dropped_caches_give_plain_causal_forwards_again():
+    model = make_model()
+    tokens = torch.randint(0, model.config.vocab_size, (6,))
+    want, _ = full_forward(model, tokens)
+    model.setup_caches(1, 4)  # too short for the 6 tokens below: a forward through it would fail
+    model(tokens[None, 3:], torch.arange(3)[None])
+    model.drop_caches()
+    torch.testing.assert_close(full_forward(model, tokens)[0], want)
