@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import DSparkDrafter
 from dspark.target import TargetModel
+from dspark.weights import StoredTensors, read_state
 
 CHECKPOINT_FILE = "model.safetensors"
 _TENSOR_ALIASES = {
@@ -51,24 +52,7 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
                                 embed_tokens=None if "embed_tokens.weight" in tensors else target.embed_tokens,
                                 lm_head=None if "lm_head.weight" in tensors else target.lm_head)
     shapes = {name: t.shape for name, t in _own_state(drafter).items()}
-    missing = sorted(set(shapes) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{folder}: missing tensor {missing[0]!r}{more}")
-    unexpected = sorted(set(tensors) - set(shapes))
-    if unexpected:
-        file, source, _ = tensors[unexpected[0]]
-        raise ValueError(f"{folder / file}: unexpected tensor {source!r}")
-
-    state = {}
-    for name, shape in shapes.items():
-        file, source, read = tensors[name]
-        tensor = read()
-        if tensor.shape != shape:
-            raise ValueError(f"{folder / file}: tensor {source!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(shape)}")
-        # A copy: own, aligned memory rather than a view into the file's buffer.
-        state[name] = tensor.to(device=device, dtype=dtype, copy=True)
+    state = read_state(shapes, tensors, folder, dtype, device)
     drafter.load_state_dict(state, strict=False, assign=True)
     drafter.rotary.reset(device)  # a buffer, not in checkpoints: still on meta
     return drafter
@@ -133,8 +117,8 @@ def _check_fits_target(config: DrafterConfig, target: TargetConfig, config_file:
                          f"[0, {config.vocab_size})")
 
 
-def _read_tensors(folder: Path) -> dict[str, tuple[str, str, Any]]:
-    """Drafter tensor name -> (file name, name in the file, function that reads it)."""
+def _read_tensors(folder: Path) -> StoredTensors:
+    """Drafter tensor name (DFlash aliases resolved) -> (file, function that reads it)."""
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
@@ -145,5 +129,5 @@ def _read_tensors(folder: Path) -> dict[str, tuple[str, str, Any]]:
             name = _TENSOR_ALIASES.get(source, source)
             if name in tensors:
                 raise ValueError(f"{folder / file}: tensor {source!r} is also in {tensors[name][0]}")
-            tensors[name] = (file, source, partial(handle.get_tensor, source))
+            tensors[name] = (folder / file, partial(handle.get_tensor, source))
     return tensors

@@ -19,12 +19,11 @@ from dspark.config import ARCHITECTURES, TargetConfig
 from dspark.layers import rope_inv_freq
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer
+from dspark.weights import StoredTensors, read_state
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it by dspark.train
 
-# A checkpoint's tensors: source name -> (file name, function that reads the tensor in HF layout).
-Tensors = dict[str, tuple[str, Callable[[], torch.Tensor]]]
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -60,28 +59,14 @@ def default_gguf_path() -> Path:
     return path
 
 
-def _build(config: TargetConfig, tensors: Tensors, source_name: Callable[[str], str], where: Path,
+def _build(config: TargetConfig, tensors: StoredTensors, source_name: Callable[[str], str], where: Path,
            dtype: torch.dtype, device: torch.device) -> TargetModel:
     with torch.device("meta"):  # no random init: every parameter is replaced below
         model = TargetModel(config)
     shapes = {name: p.shape for name, p in model.named_parameters()}  # a tied lm_head is not listed
     wanted = {source_name(name): name for name in shapes}
-    missing = sorted(set(wanted) - set(tensors))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"{where}: missing tensor {missing[0]!r}{more}")
-    unexpected = sorted(set(tensors) - set(wanted))
-    if unexpected:
-        raise ValueError(f"{tensors[unexpected[0]][0]}: unexpected tensor {unexpected[0]!r}")
-
-    state = {}
-    for source, name in wanted.items():
-        file, read = tensors[source]
-        tensor = read()
-        if tensor.shape != shapes[name]:
-            raise ValueError(f"{file}: tensor {source!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(shapes[name])}")
-        state[name] = tensor.to(device=device, dtype=dtype)
+    stored = read_state({source: shapes[name] for source, name in wanted.items()}, tensors, where, dtype, device)
+    state = {wanted[source]: tensor for source, tensor in stored.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -95,7 +80,7 @@ def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def _read_hf_folder(folder: Path) -> tuple[TargetConfig, Tensors]:
+def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
@@ -112,7 +97,7 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, Tensors]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
 
-    tensors: Tensors = {}
+    tensors: StoredTensors = {}
     for name in files:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{index}: lists {name}, which is not in {folder}")
@@ -144,7 +129,7 @@ def _gguf_name(name: str) -> str:
     return f"{_GGUF_MODULES[module]}.{param}"
 
 
-def _read_gguf(file: Path) -> tuple[TargetConfig, Tensors]:
+def _read_gguf(file: Path) -> tuple[TargetConfig, StoredTensors]:
     reader = gguf.GGUFReader(file)
 
     def metadata(key: str, default=KeyError):
@@ -188,7 +173,7 @@ def _read_gguf(file: Path) -> tuple[TargetConfig, Tensors]:
         scaling = _llama3_rope_scaling(config, _dequantize(by_name.pop("rope_freqs.weight")), file)
         config = dataclasses.replace(config, rope_scaling=scaling)
 
-    tensors: Tensors = {}
+    tensors: StoredTensors = {}
     for name, t in by_name.items():
         read = partial(_dequantize, t)
         # llama.cpp's converter reorders llama's q/k rows for its interleaved RoPE (not Qwen3's).

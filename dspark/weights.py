@@ -1,0 +1,32 @@
+"""Strict reading of stored tensors into a state dict, shared by the target's and the drafter's
+loaders: a missing, unexpected or misshapen tensor raises an error naming the file and the tensor."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# A checkpoint's tensors: stored name -> (the file it is in, for messages; function that reads it).
+StoredTensors = dict[str, tuple[str | Path, Callable[[], torch.Tensor]]]
+
+
+def read_state(shapes: dict[str, torch.Size], stored: StoredTensors, where: str | Path,
+               dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Reads exactly the tensors `shapes` names (stored name -> the shape the model expects) into
+    `dtype` on `device`, each in its own memory rather than a view into the file's buffer."""
+    missing = sorted(set(shapes) - set(stored))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(set(stored) - set(shapes))
+    if unexpected:
+        raise ValueError(f"{stored[unexpected[0]][0]}: unexpected tensor {unexpected[0]!r}")
+    state = {}
+    for name, shape in shapes.items():
+        file, read = stored[name]
+        tensor = read()
+        if tensor.shape != shape:
+            raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        state[name] = tensor.to(device=device, dtype=dtype, copy=True)
+    return state
