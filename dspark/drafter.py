@@ -36,22 +36,15 @@ from dspark.target import KVCache
 class ContextCache(KVCache):
     """One layer's keys and values of the injected context, at (cache row, absolute position)."""
 
-    def write(self, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # rows: [B]; positions: [B, T]; k, v: [B, num_kv_heads, T, head_dim]
-        self.k_cache[rows[:, None], :, positions] = k.transpose(1, 2)
-        self.v_cache[rows[:, None], :, positions] = v.transpose(1, 2)
-
-    def read(self, rows: torch.Tensor | None, batch: int, positions: torch.Tensor | None):
+    def read(self, rows: torch.Tensor | None, batch: int, positions: torch.Tensor | None = None):
         # rows: [B] or None for rows 0..B-1; positions: [B, S] or None for all
         # -> k, v: [B, num_kv_heads, S or max_seq_len, head_dim]
-        if positions is not None:
-            index = torch.arange(batch, device=positions.device) if rows is None else rows
-            k = self.k_cache[index[:, None], :, positions]
-            v = self.v_cache[index[:, None], :, positions]
-            return k.transpose(1, 2), v.transpose(1, 2)
-        if rows is None:
-            return self.k_cache[:batch], self.v_cache[:batch]
-        return self.k_cache[rows], self.v_cache[rows]
+        if positions is None:
+            return super().read(rows, batch)
+        index = torch.arange(batch, device=positions.device) if rows is None else rows
+        k = self.k_cache[index[:, None], :, positions]
+        v = self.v_cache[index[:, None], :, positions]
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def context_visible(key_pos: torch.Tensor, query_pos: torch.Tensor, block_start: torch.Tensor,
@@ -180,7 +173,6 @@ class DSparkDrafter(nn.Module):
         self.markov_head = build_markov_head(config)
         markov_input = config.markov_rank if config.confidence_head_with_markov else 0  # rank 0: no head
         self.confidence_head = ConfidenceHead(d, markov_input) if config.enable_confidence_head else None
-        # float32 whatever the weights' dtype: build the model in its dtype rather than casting it.
         self.rotary = Rotary(config)
         self.scale = config.head_dim ** -0.5
         self.max_seq_len: int | None = None
@@ -216,8 +208,6 @@ class DSparkDrafter(nn.Module):
         self._check_caches()
         context = self.fuse_context(features)
         cos, sin = self.rotary(positions)
-        if rows is None:
-            rows = torch.arange(positions.shape[0], device=positions.device)
         for layer in self.layers:
             k, v = layer.self_attn.keys_values(context, cos, sin)
             layer.context_cache.write(rows, positions, k, v)

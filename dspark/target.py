@@ -29,16 +29,22 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def write(self, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # rows: [B] cache rows, or None for rows 0..B-1; positions: [B, T]; k, v: [B, num_kv_heads, T, head_dim]
-        # -> the keys and values of these rows: [B, num_kv_heads, max_seq_len, head_dim] each
-        batch = positions.shape[0]
-        index = (torch.arange(batch, device=positions.device) if rows is None else rows)[:, None]
+        index = (torch.arange(positions.shape[0], device=positions.device) if rows is None else rows)[:, None]
         self.k_cache[index, :, positions] = k.transpose(1, 2)
         self.v_cache[index, :, positions] = v.transpose(1, 2)
+
+    def read(self, rows: torch.Tensor | None, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # rows: [B] or None for rows 0..batch-1 (a view, no copy) -> k, v: [B, num_kv_heads, max_seq_len, head_dim]
         if rows is None:
             return self.k_cache[:batch], self.v_cache[:batch]
         return self.k_cache[rows], self.v_cache[rows]
+
+    def update(self, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Writes these tokens' keys and values, then returns all of their rows' (see read)."""
+        self.write(rows, positions, k, v)
+        return self.read(rows, positions.shape[0])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
