@@ -9,10 +9,11 @@ Prompts come from two places:
 code comes from stdlib modules (`HELDOUT_MODULES`) that the training prompts never read.
 
 Self-distillation: the target answers each training prompt (DeepSpec regenerates responses with the
-target too), half the prompts greedily and half at temperature 1. Greedy responses are the paths a
-T=0 evaluation walks; sampled ones cover what T=1 walks and give more varied prefixes. The loss
-compares the drafter with the target's full distribution at every position anyway, so the
-sampling temperature only chooses which prefixes are trained on. The responses are appended to a
+target too) `responses_per_prompt` times: once greedily, the other times at temperature 1 with
+their own seeds. Greedy responses are the paths a T=0 evaluation walks; sampled ones cover what T=1
+walks and give more varied prefixes. The loss compares the drafter with the target's full
+distribution at every position anyway, so the sampling temperature only chooses which prefixes are
+trained on. The responses are appended to a
 JSONL cache as they are generated, so an interrupted run continues where it stopped.
 """
 from __future__ import annotations
@@ -173,10 +174,12 @@ def render(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
 # ---------------------------------------------------------------------------- self-distillation
 
 
-def response_params(index: int, seed: int, max_tokens: int, stop_token_ids: list[int]) -> SamplingParams:
-    """Prompt `index` is answered greedily when even, at temperature 1 when odd."""
-    return SamplingParams(temperature=float(index % 2), seed=seed * 1_000_003 + index, max_tokens=max_tokens,
-                          stop_token_ids=stop_token_ids)
+def response_params(index: int, responses_per_prompt: int, seed: int, max_tokens: int,
+                    stop_token_ids: list[int]) -> SamplingParams:
+    """Response `index` answers prompt index // responses_per_prompt: greedily when it is that
+    prompt's first response, else at temperature 1 with a seed of its own."""
+    return SamplingParams(temperature=float(index % responses_per_prompt > 0), seed=seed * 1_000_003 + index,
+                          max_tokens=max_tokens, stop_token_ids=stop_token_ids)
 
 
 def read_cache(path: Path, settings: dict) -> list[Sequence]:
@@ -203,14 +206,19 @@ def _cache_line(sequence: Sequence) -> str:
 
 
 def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, max_tokens: int, seed: int,
-                 stop_token_ids: list[int], batch_size: int = 64, stop: Callable[[int], bool] | None = None,
+                 stop_token_ids: list[int], responses_per_prompt: int = 1, batch_size: int = 64,
+                 stop: Callable[[int], bool] | None = None,
                  progress: Callable[[int], None] | None = None) -> tuple[list[Sequence], bool]:
-    """Generates the target's response to every prompt (rendered token ids), `batch_size` prompts
-    per batch, appending each batch to the JSONL cache at `path`. Before each batch `stop(number
-    of responses so far)` may end the call; `progress(n)` hears of n more responses. Returns the
-    sequences so far and whether all are done."""
+    """Generates `responses_per_prompt` target responses to every prompt (rendered token ids; see
+    response_params), `batch_size` per batch, appending each batch to the JSONL cache at `path`.
+    Before each batch `stop(number of responses so far)` may end the call; `progress(n)` hears of
+    n more responses. Returns the sequences so far and whether all are done."""
+    if responses_per_prompt < 1:
+        raise ValueError(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
-    settings = {"prompts": digest, "num_prompts": len(prompts), "max_tokens": max_tokens, "seed": seed}
+    settings = {"prompts": digest, "num_prompts": len(prompts), "responses_per_prompt": responses_per_prompt,
+                "max_tokens": max_tokens, "seed": seed}
+    prompts = [p for p in prompts for _ in range(responses_per_prompt)]
     sequences = read_cache(path, settings)
     if progress is not None:
         progress(len(sequences))
@@ -224,7 +232,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
             if stop is not None and stop(begin):
                 return sequences, False
             batch = prompts[begin:begin + batch_size]
-            params = [response_params(begin + i, seed, max_tokens, stop_token_ids) for i in range(len(batch))]
+            params = [response_params(begin + i, responses_per_prompt, seed, max_tokens, stop_token_ids)
+                      for i in range(len(batch))]
             for prompt, result in zip(batch, decoder.generate(batch, params)):
                 sequences.append(Sequence(prompt + result.tokens, len(prompt)))
                 cache.write(_cache_line(sequences[-1]))

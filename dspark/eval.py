@@ -23,7 +23,7 @@ from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
-from dspark.loading import load_default
+from dspark.loading import load_default, load_default_target
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
@@ -119,10 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
     if args.drafter:
+        target, tokenizer = load_default_target(dtype=dtype, device=args.device)
         drafters = {path.name: load_drafter(path, target) for path in args.drafter}
     else:
+        target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
         drafters = {"default": default_drafter}
     prompts = heldout_prompts()[:args.num_prompts]
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,

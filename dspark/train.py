@@ -21,6 +21,8 @@ length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing; `log.jsonl` 
 Resumable: `OUT/checkpoint.pt` (every --save-every steps and when --time-budget-s runs out) holds
 the trainable weights, the optimizer and scheduler states and the step. The batch order and the
 anchors are functions of (seed, step), so a resumed run continues exactly as an uninterrupted one.
+Only --steps may change on resume (to fit the schedule to the time left): the cosine decay then
+follows the new total from the current step on.
 On every exit the current weights are also written in DeepSpec's format, in bfloat16, to
 OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same batches without a
 Markov head, to measure what the head adds).
@@ -52,7 +54,7 @@ from dspark.checkpoint import save_drafter
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import Sequence, render, self_distill, training_prompts
 from dspark.drafter import DSparkDrafter
-from dspark.loading import load_default
+from dspark.loading import load_default_target
 from dspark.target import TargetModel
 
 CHECKPOINT = "checkpoint.pt"
@@ -63,8 +65,8 @@ MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
 class TrainConfig:
     """The recipe: everything that decides the trained weights (a resumed run must match it)."""
     steps: int = 3000
-    batch_size: int = 8  # sequences per step
-    num_anchors: int = 256  # blocks per sequence (fewer when the response is shorter)
+    batch_size: int = 16  # sequences per step
+    num_anchors: int = 64  # blocks per sequence (fewer when the response is shorter)
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of the steps
     grad_clip: float = 1.0
@@ -292,7 +294,9 @@ def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
                     drafter_config: DrafterConfig) -> int:
     """Restores the students from `path` and returns the step to continue from."""
     state = torch.load(path, map_location=students[0].drafter.fc.weight.device, weights_only=True)
-    for key, ours in (("train_config", dataclasses.asdict(config)), ("drafter_config", drafter_config.to_dict())):
+    recipe = dataclasses.asdict(config)
+    state["train_config"]["steps"] = recipe["steps"]  # may change: the schedule follows the new total
+    for key, ours in (("train_config", recipe), ("drafter_config", drafter_config.to_dict())):
         if state[key] != ours:
             changed = sorted(k for k in ours if state[key].get(k) != ours[k])
             raise ValueError(f"{path} was trained with another {key} (differs in {changed}); "
@@ -405,6 +409,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
+    p.add_argument("--responses-per-prompt", type=int, default=2,
+                   help="target responses per prompt: the first greedy, the others at temperature 1")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     p.add_argument("--gen-batch-size", type=int, default=256, help="prompts per generation batch")
@@ -422,22 +428,26 @@ def main(argv=None) -> None:
     deadline = None if args.time_budget_s is None else started + args.time_budget_s
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target, _, tokenizer = load_default(dtype=dtype, device=device)
+    target, tokenizer = load_default_target(dtype=dtype, device=device)
     target.eval()
 
     prompts = [p for p in render(tokenizer, training_prompts(args.num_prompts, seed=args.seed))
                if len(p) <= args.max_prompt_tokens]
-    with tqdm(total=len(prompts), desc="self-distill", dynamic_ncols=True, mininterval=2.0) as bar:
+    total = len(prompts) * args.responses_per_prompt
+    began = time.monotonic()
+    with tqdm(total=total, desc="self-distill", dynamic_ncols=True, mininterval=2.0) as bar:
         sequences, done = self_distill(target, prompts, args.out / "sequences.jsonl", max_tokens=args.max_tokens,
                                        seed=args.seed, stop_token_ids=tokenizer.eos_token_ids,
+                                       responses_per_prompt=args.responses_per_prompt,
                                        batch_size=args.gen_batch_size, stop=TimeBudget(deadline),
                                        progress=bar.update)
     if not done:
-        print(f"time budget reached after {len(sequences)} of {len(prompts)} responses; "
+        print(f"time budget reached after {len(sequences)} of {total} responses; "
               "run again (with --resume) to continue")
         return
     responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
-    print(f"{len(sequences)} sequences, {responses} response tokens")
+    print(f"{len(sequences)} sequences from {len(prompts)} prompts, {responses} response tokens "
+          f"(this call: {time.monotonic() - began:.0f} s, loading {began - started:.0f} s)")
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     mask_token_id = tokenizer.token_to_id(MASK_TOKEN)

@@ -4,6 +4,7 @@ The tiny target is random but has structure to learn: its LM head is scaled up s
 distributions are peaked (entropy about 1 nat), and its own responses (self-distillation, as in
 the real recipe) repeat n-grams of its near-deterministic transitions.
 """
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from dspark import train as training
 from dspark.checkpoint import load_drafter
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.data import DOMAINS, Sequence, heldout_prompts, self_distill, training_prompts
+from dspark.data import DOMAINS, Sequence, heldout_prompts, response_params, self_distill, training_prompts
 from dspark.decoder import SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
 from dspark.sampling import SamplingParams
@@ -48,9 +49,11 @@ def target() -> TargetModel:
 @pytest.fixture(scope="module")
 def sequences(target, tmp_path_factory) -> list[Sequence]:
     path = tmp_path_factory.mktemp("data") / "sequences.jsonl"
-    sequences, done = self_distill(target, random_prompts(32, seed=1), path, max_tokens=24, seed=0,
-                                   stop_token_ids=[], batch_size=32)
+    prompts = random_prompts(16, seed=1)
+    sequences, done = self_distill(target, prompts, path, max_tokens=24, seed=0, stop_token_ids=[],
+                                   responses_per_prompt=2, batch_size=32)
     assert done and len(sequences) == 32
+    assert [s.tokens[:s.prompt_len] for s in sequences] == [p for p in prompts for _ in range(2)]
     return sequences
 
 
@@ -109,6 +112,19 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
         training.train(target, tiny_drafter_config(target), sequences, tmp_path, config)
     with pytest.raises(ValueError, match="markov_rank"):
         training.train(target, tiny_drafter_config(target, markov_rank=8), sequences, tmp_path, config, resume=True)
+    with pytest.raises(ValueError, match="lr"):
+        training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, lr=1.0),
+                       resume=True)
+
+
+def test_resume_may_change_the_step_count_and_the_schedule_follows_it(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=8, batch_size=2, num_anchors=4, lr=1e-3, warmup=0.25, rank0_twin=False)
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=lambda step: step == 3)
+    longer = dataclasses.replace(config, steps=12)
+    [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, longer, resume=True)
+    assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 12
+    expected = config.lr * training.warmup_cosine(12, config.warmup)(12)
+    assert student.scheduler.get_last_lr()[0] == pytest.approx(expected)
 
 
 def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path):
@@ -194,6 +210,13 @@ def test_heldout_prompts_are_disjoint_from_training(corpus):
     shared = [p.text[:60] for p in heldout if runs(p.text) & seen]
     assert not shared, f"held-out prompts share 8-word runs with training prompts: {shared}"
     assert not {p.text for p in heldout} & {p.text for p in corpus}
+
+
+def test_first_response_of_a_prompt_is_greedy_the_others_sampled_with_their_own_seeds():
+    params = [response_params(i, 3, seed=5, max_tokens=9, stop_token_ids=[2]) for i in range(6)]
+    assert [p.temperature for p in params] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert len({p.seed for p in params}) == 6
+    assert all(p.max_tokens == 9 and p.stop_token_ids == [2] for p in params)
 
 
 def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
