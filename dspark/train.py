@@ -224,10 +224,10 @@ class Student:
 
     def load_state_dict(self, state: dict) -> None:
         missing, unexpected = self.drafter.load_state_dict(state["weights"], strict=False)
-        frozen = {n for n, p in self.drafter.named_parameters() if not p.requires_grad}
-        if unexpected or set(missing) - frozen:
+        trainable = {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+        if unexpected or trainable & set(missing):  # frozen (shared, maybe tied) weights are not saved
             raise ValueError(f"checkpoint does not fit drafter {self.name!r}: missing "
-                             f"{sorted(set(missing) - frozen)}, unexpected {sorted(unexpected)}")
+                             f"{sorted(trainable & set(missing))}, unexpected {sorted(unexpected)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 

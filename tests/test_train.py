@@ -117,6 +117,16 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
                        resume=True)
 
 
+def test_resume_with_a_tied_target_whose_lm_head_is_its_embedding(sequences, tmp_path):
+    torch.manual_seed(0)
+    tied = TargetModel(TargetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    config = training.TrainConfig(steps=3, batch_size=2, num_anchors=4)
+    training.train(tied, tiny_drafter_config(tied), sequences, tmp_path, config, stop=lambda step: step == 1)
+    training.train(tied, tiny_drafter_config(tied), sequences, tmp_path, config, resume=True)
+    assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 3
+
+
 def test_resume_may_change_the_step_count_and_the_schedule_follows_it(target, sequences, tmp_path):
     config = training.TrainConfig(steps=8, batch_size=2, num_anchors=4, lr=1e-3, warmup=0.25, rank0_twin=False)
     training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=lambda step: step == 3)
