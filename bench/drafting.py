@@ -5,7 +5,10 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 (CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch);
+- dspark: ancestral_draft(fused=False), the seed's design (bias GEMM, Gumbel-max step, pick per
+  position; one proposal launch);
+- dspark fused: ancestral_draft, the bias product inside the step (step, pick per position; one
+  proposal launch), at the default tiles; with --tiles, one more column per (block_v, block_b);
 - bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -13,6 +16,7 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
   and read back once, the float32 proposals written once.
 
     python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
+    python bench/drafting.py --tiles 128x16 256x16 128x32 64x64   # also these fused tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -58,7 +62,8 @@ def floor_bytes(batch, positions, vocab, rank) -> int:
     return markov + block * (2 + 4 + 4 + 4)
 
 
-def run(batches, positions, vocab, rank, device) -> tuple[list[dict], float]:
+def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], float]:
+    """Per batch size: µs of each variant (keys in table order) and the floor."""
     torch.manual_seed(0)
     head = VanillaMarkov(vocab, rank).to(device, torch.bfloat16)
     bandwidth = stream_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
@@ -72,14 +77,19 @@ def run(batches, positions, vocab, rank, device) -> tuple[list[dict], float]:
         slots = torch.randperm(batch, device=device)
         draft_probs = torch.empty(batch, positions, vocab, device=device)
         prev_embedding = head.markov_w1(anchor)
+
+        def dspark(**kwargs):
+            return median_us(lambda: ancestral_draft(logits, None, head, anchor, temperature, seed,
+                                                     offset, slots, draft_probs, **kwargs), device)
+
         with torch.inference_mode():
             row = {
                 "B": batch,
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
                                                            draft_probs), device),
-                "dspark": median_us(lambda: ancestral_draft(logits, None, head, anchor, temperature,
-                                                            seed, offset, slots, draft_probs),
-                                    device),
+                "dspark": dspark(fused=False),
+                "dspark fused": dspark(),
+                **{f"fused {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
@@ -88,14 +98,21 @@ def run(batches, positions, vocab, rank, device) -> tuple[list[dict], float]:
 
 
 def table(rows) -> str:
-    lines = ["| B | torch loop µs | dspark µs | bias GEMMs µs | floor µs | torch loop / floor "
-             "| dspark / floor | speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
+    """µs of every variant and the floor, then each drafting variant's fraction of the floor."""
+    timed = [name for name in rows[0] if name != "B"]
+    drafting = [name for name in timed if name not in ("bias GEMMs", "floor")]
+    lines = ["| B | " + " | ".join(f"{name} µs" for name in timed) + " | "
+             + " | ".join(f"{name} / floor" for name in drafting) + " |",
+             "|---" * (1 + len(timed) + len(drafting)) + "|"]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['torch loop']:.0f} | {r['dspark']:.0f} | {r['bias GEMMs']:.0f}"
-                     f" | {r['floor']:.0f} | {r['torch loop'] / r['floor']:.2f}"
-                     f" | {r['dspark'] / r['floor']:.2f} | {r['torch loop'] / r['dspark']:.2f} |")
+        lines.append(f"| {r['B']} | " + " | ".join(f"{r[name]:.0f}" for name in timed) + " | "
+                     + " | ".join(f"{r[name] / r['floor']:.2f}" for name in drafting) + " |")
     return "\n".join(lines)
+
+
+def tile_pair(text: str) -> tuple[int, int]:
+    block_v, block_b = text.lower().split("x")
+    return int(block_v), int(block_b)
 
 
 def main():
@@ -105,6 +122,8 @@ def main():
     parser.add_argument("--positions", type=int, default=7)
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--rank", type=int, default=256)
+    parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
+                        help="also time the fused step at these (block_v, block_b) tiles")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     if args.smoke:
@@ -114,7 +133,7 @@ def main():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, batches, positions, vocab, rank = (torch.device("cuda"), args.batches,
                                                    args.positions, args.vocab, args.rank)
-    rows, bandwidth = run(batches, positions, vocab, rank, device)
+    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"Drafting alone: B x {positions} x {vocab} bfloat16 logits, rank-{rank} vanilla "
               f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."

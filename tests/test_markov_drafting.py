@@ -72,7 +72,7 @@ N, ANCHOR, TEMPERATURE = 20_000, 2, 0.8
 
 
 def draft(logits, head, hidden=None, temperature=None, seed=None, offset=None, anchor=None,
-          chunk_size=16):
+          tiles=(16, 1), fused=True):
     """ancestral_draft with slot b for row b -> (tokens [B, K], draft_probs [B, K, V])."""
     batch, k, _ = logits.shape
     temperature = torch.full((batch,), TEMPERATURE) if temperature is None else temperature
@@ -81,7 +81,7 @@ def draft(logits, head, hidden=None, temperature=None, seed=None, offset=None, a
     anchor = torch.full((batch,), ANCHOR) if anchor is None else anchor
     probs = torch.full((batch, k, V), -1.0)
     tokens = ancestral_draft(logits, hidden, head, anchor, temperature, seed, offset,
-                             torch.arange(batch), probs, chunk_size)
+                             torch.arange(batch), probs, tiles, fused)
     return tokens, probs
 
 
@@ -92,12 +92,12 @@ def softmax64(logits, temperature=TEMPERATURE):
 class Sample:
     """N blocks of K = 2 drafts, all rows alike but for the seed, and the laws they should follow."""
 
-    def __init__(self, dtype, chunk_size):
+    def __init__(self, dtype, tiles, fused):
         g = torch.Generator().manual_seed(3)
         self.base = (1.5 * torch.randn(2, V, generator=g)).to(dtype).double()
         head = make_head()
         logits = self.base.to(dtype)[None].repeat(N, 1, 1)
-        tokens, _ = draft(logits, head, chunk_size=chunk_size)
+        tokens, _ = draft(logits, head, tiles=tiles, fused=fused)
         self.d0, self.d1 = tokens[:, 0].numpy(), tokens[:, 1].numpy()
         with torch.no_grad():
             self.transition = (head.markov_w1.weight @ head.markov_w2.weight.T).double()  # [prev, V]
@@ -108,9 +108,11 @@ class Sample:
         return np.bincount(self.d0 * V + self.d1, minlength=V * V).reshape(V, V)  # [d0, d1]
 
 
-@pytest.fixture(scope="module", params=[(torch.float32, 16), (torch.float32, 4),
-                                        (torch.bfloat16, 16), (torch.bfloat16, 4)],
-                ids=["f32-1chunk", "f32-3chunks", "bf16-1chunk", "bf16-3chunks"])
+@pytest.fixture(scope="module", params=[(torch.float32, (16, 1), True), (torch.float32, (4, 1), True),
+                                        (torch.bfloat16, None, True), (torch.bfloat16, (4, 1), True),
+                                        (torch.float32, (4, 1), False), (torch.bfloat16, None, False)],
+                ids=["f32-1tile", "f32-3tiles", "bf16-default", "bf16-3tiles", "f32-3tiles-gemm",
+                     "bf16-default-gemm"])
 def sample(request):
     return Sample(*request.param)
 
@@ -160,9 +162,10 @@ def reference_proposals(logits, head, hidden, anchor, tokens, temperature):
     return q
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stored_proposals_are_the_drawn_distributions(kind, dtype):
+def test_stored_proposals_are_the_drawn_distributions(kind, dtype, fused):
     head = make_head(kind)
     logits = (2 * torch.randn(6, 3, V)).to(dtype)
     logits[4] = float("nan")  # a CUDA-graph padding row
@@ -170,7 +173,7 @@ def test_stored_proposals_are_the_drawn_distributions(kind, dtype):
     anchor = torch.randint(0, V, (6,))
     temperature = torch.tensor([1.0, 0.0, 0.6, 1.7, 1.0, 0.0])
     given = logits.clone()
-    tokens, probs = draft(logits, head, hidden, temperature, anchor=anchor)
+    tokens, probs = draft(logits, head, hidden, temperature, anchor=anchor, fused=fused)
     assert logits.view(torch.uint8).equal(given.view(torch.uint8))
     assert tokens.dtype == torch.int64 and ((tokens >= 0) & (tokens < V)).all()
     want = reference_proposals(logits, head, hidden, anchor, tokens, temperature)
@@ -194,13 +197,14 @@ def test_drafts_depend_on_seed_and_offset_only():
     seed, offset = torch.full((400,), 9), torch.full((400,), 5)
     first, _ = draft(logits, head, hidden, seed=seed, offset=offset)
     assert (first == first[0]).all()  # the same key draws the same block in every row
-    again, _ = draft(logits, head, hidden, seed=seed, offset=offset, chunk_size=4)
+    again, _ = draft(logits, head, hidden, seed=seed, offset=offset, tiles=(4, 1))
     assert torch.equal(again, first)
     moved, _ = draft(logits, head, hidden, seed=seed, offset=offset + torch.arange(400))
     assert len(set(map(tuple, moved.tolist()))) > 50  # each new offset draws anew
 
 
-def test_ancestral_draft_compiles_to_the_eager_result():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
+def test_ancestral_draft_compiles_to_the_eager_result(fused):
     head = make_head("rnn")
     logits, hidden = torch.randn(5, 3, V).to(torch.bfloat16), torch.randn(5, 3, D)
     logits[3] = float("nan")
@@ -208,15 +212,16 @@ def test_ancestral_draft_compiles_to_the_eager_result():
     args = (hidden, head, torch.randint(0, V, (5,)), temperature, torch.arange(5) + 100,
             torch.arange(5), torch.tensor([4, 2, 0, 1, 3]))
     probs = [torch.zeros(5, 3, V), torch.zeros(5, 3, V)]
-    want = ancestral_draft(logits, *args, probs[0], 4)
+    want = ancestral_draft(logits, *args, probs[0], (4, 1), fused)
     compiled = torch.compile(ancestral_draft, fullgraph=True, backend="aot_eager")
-    got = compiled(logits, *args, probs[1], 4)
+    got = compiled(logits, *args, probs[1], (4, 1), fused)
     assert torch.equal(got, want)
     torch.testing.assert_close(probs[1], probs[0], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
+def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(fused):
     vocab, batch = 5000, 6
     torch.manual_seed(0)
     head = RNNMarkov(vocab, 32, D)
@@ -228,8 +233,8 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw():
     inputs = [copy.deepcopy(t).cuda() for t in cpu_inputs]
     offset, probs = inputs[6], inputs[8]
     with torch.inference_mode():
-        cpu = ancestral_draft(*cpu_inputs)
-        eager = ancestral_draft(*inputs)
+        cpu = ancestral_draft(*cpu_inputs, fused=fused)
+        eager = ancestral_draft(*inputs, fused=fused)
         assert torch.equal(eager.cpu(), cpu)
         torch.testing.assert_close(probs.cpu(), cpu_inputs[8], rtol=1e-5, atol=1e-9)
 
@@ -237,19 +242,19 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            ancestral_draft(*inputs)
+            ancestral_draft(*inputs, fused=fused)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = ancestral_draft(*inputs)
+            captured = ancestral_draft(*inputs, fused=fused)
         probs.zero_()
         graph.replay()
         assert torch.equal(captured, eager) and torch.equal(probs, eager_probs)
         offset.add_(1)
         graph.replay()
         assert (captured != eager).float().mean() > 0.5  # a new offset draws anew
-        assert torch.equal(captured, ancestral_draft(*inputs))
-        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs), captured)
+        assert torch.equal(captured, ancestral_draft(*inputs, fused=fused))
+        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs, fused=fused), captured)
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn", None])

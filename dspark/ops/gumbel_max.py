@@ -1,14 +1,23 @@
-"""Gumbel-max drafting, one draft position at a time: the step op and the pick op.
+"""Gumbel-max drafting, one draft position at a time: the step ops and the pick op.
 
-Draft position k is drawn from softmax(x) with x = (base_k + bias) / T, as
-argmax_v (x_v + g_v), where g_v = gumbel(seed, offset, v, STREAM_DRAFT + k) is keyed by the global
-token id. The vocabulary is cut into chunks (one Triton program each); the step op returns every
-chunk's winner and the pick op reduces them. Since the noise of a token never depends on its chunk,
-the drawn token does not depend on the chunking, and ties go to the smallest token id.
+Draft position k is drawn from softmax(x), x = (base_k + bias) * (1 / T) with one correctly rounded
+reciprocal per row, by the exponential race argmax_v exp(x_v) / e_v: e_v ~ Exp(1) is the exponential
+of token v's Philox word in stream STREAM_DRAFT + k (philox.py). That is Gumbel-max,
+argmax_v x_v - log(e_v), without a second log per token. The vocabulary is cut into tiles of
+`block_v` tokens (and the batch into tiles of `block_b` rows). Per (row, tile) the step computes the
+softmax statistics of x, the tile's max m and s = sum_v exp(x_v - m), and runs the race with the
+exp(x_v - m) it has computed for s; the tile's winner carries the score
+m + log(max_v exp(x_v - m) / e_v), so that tiles compare. The noise of a token depends only on
+(seed, offset, position, token id): the draw does not depend on the tiling, but for float32
+rounding of near ties (a ratio is rounded relative to its tile's max). Ties go to the smallest id.
 
-The step op also keeps what the proposal op (proposal.py) needs afterwards: the biased float32
-logits and per-chunk softmax statistics of x (max m_j and sum_j exp(x - m_j)), which it merges
-whatever the number of chunks.
+Two step ops share one kernel. `gumbel_step` adds a precomputed bias [B, V] (the seed's design: the
+Markov bias is a cuBLAS GEMM before the step); `markov_step` computes the bias u @ W2^T itself from a
+Markov head's rank vector u [B, r] and W2 [V, r], accumulating in float32 (on tensor cores from 16
+rows per tile), so that W2 streams from memory once per position whatever the batch size. Both
+write the biased float32 logits (for the proposal op) and return every tile's winner and
+statistics; the pick op reduces them to the token, merges the statistics into one (max, sum) per
+(row, position) and gathers the next Markov embedding.
 
 Greedy rows (T = 0) take the argmax of the biased logits, without noise. NaN base logits (CUDA-graph
 padding rows) count as 0, so such a row draws from the bias alone.
@@ -23,194 +32,300 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import STREAM_DRAFT, gumbel, gumbel_torch
+from dspark.ops.philox import (STREAM_DRAFT, exponential, exponential_torch, token_words,
+                               token_words_torch, uniform, uniform_torch)
 
-CHUNK_SIZE = 1024  # vocabulary tokens per step program (a power of two)
+SEED_TILES = (1024, 1)  # (block_v, block_b) of the unfused step: one row per program
 
 
-def num_chunks(vocab_size: int, chunk_size: int = CHUNK_SIZE) -> int:
-    """Width of the chunk-statistics buffers for `chunk_size`-token chunks."""
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    return triton.cdiv(vocab_size, chunk_size)
+def step_tiles(batch: int, fused: bool) -> tuple[int, int]:
+    """Default (block_v, block_b) of the step. The fused step multiplies on tensor cores from 16 rows
+    per tile, in row tiles of 16 or 32, whichever pads the batch less (32 on a tie): padding rows cost
+    their noise like real ones. One or two rows use plain FMAs instead."""
+    if not fused:
+        return SEED_TILES
+    if batch <= 2:
+        return 256, triton.next_power_of_2(batch)
+    padding = {rows: -batch % rows for rows in (32, 16)}
+    return 128, min(padding, key=padding.get)
+
+
+def num_chunks(vocab_size: int, block_v: int) -> int:
+    """Number of vocabulary tiles of `block_v` tokens: the width of the step's outputs."""
+    return triton.cdiv(vocab_size, block_v)
 
 
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr,
-                 biased_ptr, chunk_max_ptr, chunk_sum_ptr, best_ptr, index_ptr,
-                 k, philox_stream, vocab_size, num_positions, num_chunks, logits_row_stride,
-                 logits_pos_stride, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    tokens = chunk * CHUNK + tl.arange(0, CHUNK)
-    inside = tokens < vocab_size
+def _rank_product(u_ptr, w2_ptr, rows, tokens, batch, vocab_size, u_row_stride, w2_row_stride,
+                  RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """u[rows] @ w2[tokens]^T in float32: [BLOCK_B, BLOCK_V]."""
+    u_rows = u_ptr + rows.to(tl.int64)[:, None] * u_row_stride
+    w_rows = w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride
+    acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+    for start in range(0, RANK, BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        u = tl.load(u_rows + r[None, :], mask=(rows < batch)[:, None] & (r < RANK)[None, :], other=0.0)
+        w = tl.load(w_rows + r[None, :], mask=(tokens < vocab_size)[:, None] & (r < RANK)[None, :],
+                    other=0.0)
+        if BLOCK_B >= 16:
+            acc = tl.dot(u, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.sum(u.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    return acc
 
-    base = tl.load(logits_ptr + row * logits_row_stride + k * logits_pos_stride + tokens,
+
+@triton.jit
+def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr, offset_ptr,
+                 biased_ptr, best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream,
+                 batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
+                 u_row_stride, w2_row_stride, BIAS: tl.constexpr, RANK: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 a bias [B, V], 2 u @ w2^T."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    tile = tl.program_id(1)
+    tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    is_row = rows < batch
+    inside = is_row[:, None] & (tokens < vocab_size)[None, :]
+    row64 = rows.to(tl.int64)[:, None]
+
+    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
                    mask=inside, other=0.0).to(tl.float32)
     biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-    if HAS_BIAS:
-        biased += tl.load(bias_ptr + row * vocab_size + tokens, mask=inside, other=0.0).to(tl.float32)
-    tl.store(biased_ptr + (row * num_positions + k) * vocab_size + tokens, biased, mask=inside)
+    if BIAS == 1:
+        biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
+                          other=0.0).to(tl.float32)
+    elif BIAS == 2:
+        biased += _rank_product(u_ptr, w2_ptr, rows, tokens, batch, vocab_size, u_row_stride,
+                                w2_row_stride, RANK, BLOCK_B, BLOCK_V, BLOCK_R, DOT_PRECISION)
+    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
+             mask=inside)
 
-    temperature = tl.load(temperature_ptr + row)
+    temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
     greedy = temperature == 0.0
-    scale = tl.broadcast_to(tl.where(greedy, 1.0, temperature), biased.shape)
-    x = tl.where(inside, tl.div_rn(biased, scale), float("-inf"))  # proposal.py divides the same way
-    m = tl.max(x, 0)
-    s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0)
-    stat = (row * num_positions + k) * num_chunks + chunk
-    tl.store(chunk_max_ptr + stat, m)
-    tl.store(chunk_sum_ptr + stat, s)
+    inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
+    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
+    m = tl.max(x, 1)
+    p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
 
-    streams = tokens * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
-    noise = gumbel(tl.load(seed_ptr + row), tl.load(offset_ptr + row), tokens, streams)
-    score = tl.where(inside, tl.where(greedy, biased, x + noise), float("-inf"))
-    best, index = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(best_ptr + row * num_chunks + chunk, best)
-    tl.store(index_ptr + row * num_chunks + chunk, chunk * CHUNK + index)
+    counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
+    streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
+    seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
+    offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
+    e = exponential(uniform(token_words(seed, offset, counters[None, :], streams[None, :])))
+    score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
+    best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
+    best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
+
+    out = rows * tl.num_programs(1) + tile
+    tl.store(best_ptr + out, best, mask=is_row)
+    tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
+    tl.store(chunk_max_ptr + out, m, mask=is_row)
+    tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
 
 
-def launch_gumbel_step(wrap, logits, bias, temperature, seed, offset, k, biased, chunk_max,
-                       chunk_sum, chunk_size, best, index):
+def launch_step(wrap, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b,
+                best, index, chunk_max, chunk_sum):
+    """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
+    interpreter tests). Give bias [B, V], or u [B, r] and w2 [V, r], or neither."""
     batch, positions, vocab = logits.shape
-    chunks = chunk_max.shape[-1]
-    wrap(_step_kernel)[(batch, chunks)](
-        logits, logits if bias is None else bias, temperature, seed, offset,
-        biased, chunk_max, chunk_sum, best, index,
-        k, STREAM_DRAFT + k, vocab, positions, chunks, logits.stride(0), logits.stride(1),
-        HAS_BIAS=bias is not None, CHUNK=chunk_size, num_warps=4)
+    rank = 0 if w2 is None else w2.shape[1]
+    if block_b >= 16:  # tensor cores: at least 16 along every axis
+        block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    else:  # keep the FMA product [block_b, block_v, block_r] at 8192 values
+        block_r = max(1, min(triton.next_power_of_2(max(rank, 1)), 8192 // (block_b * block_v)))
+    # float32 weights multiply exactly ("ieee", not tf32); bfloat16 ones ignore the setting
+    precision = "ieee" if w2 is not None and w2.dtype == torch.float32 else "tf32"
+    wrap(_step_kernel)[(triton.cdiv(batch, block_b), num_chunks(vocab, block_v))](
+        logits, logits if bias is None else bias, logits if u is None else u,
+        logits if w2 is None else w2, temperature, seed, offset, biased, best, index, chunk_max,
+        chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
+        logits.stride(1), 0 if u is None else u.stride(0), 0 if w2 is None else w2.stride(0),
+        BIAS=0 if bias is None and u is None else 1 if bias is not None else 2, RANK=rank,
+        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=block_r,
+        DOT_PRECISION=precision,
+        num_warps=4 if block_b * block_v <= 4096 else 8)
 
 
-def gumbel_step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
-                      offset: Tensor, k: int, biased: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
-                      chunk_size: int) -> tuple[Tensor, Tensor]:
-    """The step op in plain torch (the CPU implementation; the same function as the kernel)."""
+def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
+               offset: Tensor, k: int, biased: Tensor, block_v: int) -> tuple[Tensor, ...]:
+    """The step in plain torch (the CPU implementation; the same function as the kernel), for a
+    bias [B, V] float32 or None."""
     batch, _, vocab = logits.shape
-    chunks = chunk_max.shape[-1]
+    chunks = num_chunks(vocab, block_v)
     base = logits[:, k].float()
     row = torch.where(base.isnan(), 0.0, base)
     if bias is not None:
-        row = row + bias.float()
+        row = row + bias
     biased[:, k] = row
 
-    greedy = (temperature == 0)[:, None]
-    x = row / torch.where(greedy, 1.0, temperature[:, None])
-    tokens = torch.arange(vocab, device=logits.device)
-    noise = gumbel_torch(seed[:, None], offset[:, None], tokens, STREAM_DRAFT + k)
-    score = torch.where(greedy, row, x + noise)
+    def by_chunk(t: Tensor, fill: float) -> Tensor:  # [B, V] -> [B, C, block_v], padded with fill
+        return F.pad(t, (0, chunks * block_v - vocab), value=fill).view(batch, chunks, block_v)
 
-    def by_chunk(t: Tensor) -> Tensor:  # [B, V] -> [B, C, chunk], padded with -inf
-        padded = F.pad(t, (0, chunks * chunk_size - vocab), value=float("-inf"))
-        return padded.view(batch, chunks, chunk_size)
-
-    x = by_chunk(x)
+    greedy = temperature == 0
+    inverse = 1.0 / torch.where(greedy, 1.0, temperature)
+    x = by_chunk(row * inverse[:, None], float("-inf"))
     m = x.amax(-1)
-    chunk_max[:, k] = m
-    chunk_sum[:, k] = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[..., None]).sum(-1)
-    best, index = by_chunk(score).max(-1)  # the first maximum: ties go to the smallest id
-    return best, index + chunk_size * torch.arange(chunks, device=logits.device)
+    p = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[..., None])
+    words = token_words_torch(seed[:, None], offset[:, None], vocab, STREAM_DRAFT + k)
+    e = by_chunk(exponential_torch(uniform_torch(words)), 1.0)
+    score = torch.where(greedy[:, None, None], by_chunk(row, float("-inf")), p / e)
+    best, index = score.max(-1)  # the first maximum: ties go to the smallest id
+    best = torch.where(greedy[:, None], best, m + torch.log(torch.where(greedy[:, None], 1.0, best)))
+    return best, index + block_v * torch.arange(chunks, device=logits.device), m, p.sum(-1)
 
 
-@triton_op("dspark::gumbel_step", mutates_args=("biased", "chunk_max", "chunk_sum"))
+def _step(logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b):
+    if logits.device.type == "cpu":
+        if u is not None:
+            bias = u.float() @ w2.float().T
+        return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
+                          k, biased, block_v)
+    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
+    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    index = logits.new_empty(shape, dtype=torch.int64)
+    launch_step(wrap_triton, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v,
+                block_b, best, index, chunk_max, chunk_sum)
+    return best, index, chunk_max, chunk_sum
+
+
+@triton_op("dspark::gumbel_step", mutates_args=("biased",))
 def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
-                offset: Tensor, k: int, biased: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
-                chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+                offset: Tensor, k: int, biased: Tensor, block_v: int = SEED_TILES[0],
+                block_b: int = SEED_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gumbel-max step of draft position k.
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
     (no Markov head); temperature [B] float32 (0 = greedy row); seed, offset [B] int64.
-    Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32) and chunk_max[:, k],
-    chunk_sum[:, k] ([B, K, C] float32: softmax statistics of biased / T per chunk of chunk_size
-    tokens, a power of two; C = num_chunks(V, chunk_size)).
-    Returns each chunk's best score [B, C] float32 and its token id [B, C] int64.
+    Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32). block_v (a power of two, at
+    least 4) and block_b (a power of two) tile the vocabulary and the batch.
+    Returns per (row, vocabulary tile), each [B, C] with C = num_chunks(V, block_v): the winner's
+    score (float32) and token id (int64), and the tile's softmax statistics of x = biased / T, its
+    max and sum of exp(x - max) (float32).
     """
-    _check_step(logits, bias, temperature, seed, offset, k, biased, chunk_max, chunk_sum,
-                chunk_size)
-    if logits.device.type == "cpu":
-        return gumbel_step_torch(logits, bias, temperature, seed, offset, k, biased, chunk_max,
-                                 chunk_sum, chunk_size)
-    batch, chunks = logits.shape[0], chunk_max.shape[-1]
-    best = logits.new_empty((batch, chunks), dtype=torch.float32)
-    index = logits.new_empty((batch, chunks), dtype=torch.int64)
-    launch_gumbel_step(wrap_triton, logits, bias, temperature, seed, offset, k, biased, chunk_max,
-                       chunk_sum, chunk_size, best, index)
-    return best, index
+    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
+    if bias is not None and (bias.shape != (logits.shape[0], logits.shape[-1])
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{logits.shape[0]}, {logits.shape[-1]}], "
+                         f"got {tuple(bias.shape)}")
+    return _step(logits, bias, None, None, temperature, seed, offset, k, biased, block_v, block_b)
 
 
-def _check_step(logits, bias, temperature, seed, offset, k, biased, chunk_max, chunk_sum, chunk_size):
+@triton_op("dspark::markov_step", mutates_args=("biased",))
+def markov_step(logits: Tensor, u: Tensor, w2: Tensor, temperature: Tensor, seed: Tensor,
+                offset: Tensor, k: int, biased: Tensor, block_v: int,
+                block_b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gumbel_step with the Markov bias u @ w2^T computed in the kernel, in float32: u [B, r] with
+    contiguous rows (the head's rank vector, VanillaMarkov.rank_input) and w2 = markov_w2.weight
+    [V, r], of one dtype. block_b >= 16 multiplies on tensor cores and needs block_v >= 16."""
+    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
+    batch, _, vocab = logits.shape
+    if u.dim() != 2 or u.shape[0] != batch or u.stride(1) != 1:
+        raise ValueError(f"u must be [{batch}, r] with contiguous rows, got {tuple(u.shape)} "
+                         f"strides {u.stride()}")
+    if w2.shape != (vocab, u.shape[1]) or w2.stride(1) != 1 or w2.dtype != u.dtype:
+        raise ValueError(f"w2 must be [{vocab}, {u.shape[1]}] {u.dtype} with contiguous rows, got "
+                         f"{w2.dtype} {tuple(w2.shape)} strides {w2.stride()}")
+    if block_b >= 16 and block_v < 16:
+        raise ValueError(f"tensor-core tiles (block_b >= 16) need block_v >= 16, got {block_v}")
+    return _step(logits, None, u, w2, temperature, seed, offset, k, biased, block_v, block_b)
+
+
+def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [B, K, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
-    batch, positions, vocab = logits.shape
+    batch, positions, _ = logits.shape
     if not 0 <= k < positions:
         raise ValueError(f"draft position k={k} outside 0..{positions - 1}")
-    if bias is not None and (bias.shape != (batch, vocab) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous [{batch}, {vocab}], got {tuple(bias.shape)}")
     if biased.shape != logits.shape or biased.dtype != torch.float32 or not biased.is_contiguous():
         raise ValueError(f"biased must be contiguous float32 {tuple(logits.shape)}, "
                          f"got {biased.dtype} {tuple(biased.shape)}")
-    chunks = num_chunks(vocab, chunk_size)
-    for name, stats in (("chunk_max", chunk_max), ("chunk_sum", chunk_sum)):
-        if (stats.shape != (batch, positions, chunks) or stats.dtype != torch.float32
-                or not stats.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous float32 [{batch}, {positions}, {chunks}] "
-                             f"(chunks of {chunk_size}), got {stats.dtype} {tuple(stats.shape)}")
+    if block_v < 4 or block_v & (block_v - 1) or block_b < 1 or block_b & (block_b - 1):
+        raise ValueError(f"block_v (at least 4) and block_b must be powers of two, got {block_v}, "
+                         f"{block_b}")
     check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
-                offset=(offset, torch.int64))
+               offset=(offset, torch.int64))
 
 
 # ---------------------------------------------------------------- pick
 
 @triton.jit
-def _pick_kernel(best_ptr, index_ptr, table_ptr, token_ptr, rows_ptr, num_chunks, rank,
+def _pick_kernel(best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, table_ptr, tokens_ptr,
+                 stat_max_ptr, stat_sum_ptr, rows_ptr, k, num_positions, num_chunks, rank,
                  table_stride, GATHER: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, BLOCK_C)
-    best = tl.load(best_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
-                   other=float("-inf"))
-    winner = tl.argmax(best, 0, tie_break_left=True)
-    token = tl.load(index_ptr + row * num_chunks + winner)
-    tl.store(token_ptr + row, token)
+    chunks = row * num_chunks + tl.arange(0, BLOCK_C)
+    is_chunk = tl.arange(0, BLOCK_C) < num_chunks
+    best = tl.load(best_ptr + chunks, mask=is_chunk, other=float("-inf"))
+    token = tl.load(index_ptr + row * num_chunks + tl.argmax(best, 0, tie_break_left=True))
+    tl.store(tokens_ptr + row * num_positions + k, token)
+
+    m = tl.load(chunk_max_ptr + chunks, mask=is_chunk, other=float("-inf"))
+    s = tl.load(chunk_sum_ptr + chunks, mask=is_chunk, other=0.0)
+    m_all = tl.max(m, 0)
+    tl.store(stat_max_ptr + row * num_positions + k, m_all)
+    tl.store(stat_sum_ptr + row * num_positions + k,
+             tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_all)), 0))
     if GATHER:
         cols = tl.arange(0, BLOCK_R)
         values = tl.load(table_ptr + token * table_stride + cols, mask=cols < rank)
         tl.store(rows_ptr + row * rank + cols, values, mask=cols < rank)
 
 
-def launch_gumbel_pick(wrap, best, index, table, token, rows):
+def launch_gumbel_pick(wrap, best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
+                       stat_sum, rows):
     batch, chunks = best.shape
     rank = rows.shape[-1]
     wrap(_pick_kernel)[(batch,)](
-        best, index, best if table is None else table, token, rows, chunks, rank,
-        0 if table is None else table.stride(0), GATHER=table is not None,
-        BLOCK_C=triton.next_power_of_2(chunks), BLOCK_R=triton.next_power_of_2(max(rank, 1)))
+        best, index, chunk_max, chunk_sum, best if table is None else table, tokens, stat_max,
+        stat_sum, rows, k, tokens.shape[1], chunks, rank, 0 if table is None else table.stride(0),
+        GATHER=table is not None, BLOCK_C=triton.next_power_of_2(chunks),
+        BLOCK_R=triton.next_power_of_2(max(rank, 1)))
 
 
-def gumbel_pick_torch(best: Tensor, index: Tensor, table: Tensor | None) -> tuple[Tensor, Tensor]:
+def gumbel_pick_torch(best: Tensor, index: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
+                      table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
+                      stat_sum: Tensor) -> Tensor:
     """The pick op in plain torch (the CPU implementation)."""
     token = index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)  # first maximum
-    if table is None:
-        return token, best.new_empty((best.shape[0], 0))
-    return token, table[token]
+    tokens[:, k] = token
+    m_all = chunk_max.amax(1, keepdim=True)
+    stat_max[:, k] = m_all.squeeze(1)
+    stat_sum[:, k] = torch.where(chunk_max == float("-inf"), 0.0,
+                                 chunk_sum * torch.exp(chunk_max - m_all)).sum(1)
+    return best.new_empty((best.shape[0], 0)) if table is None else table[token]
 
 
-@triton_op("dspark::gumbel_pick", mutates_args=())
-def gumbel_pick(best: Tensor, index: Tensor, table: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Reduces the step op's chunk winners (best [B, C] float32, index [B, C] int64) to the drawn
-    token [B] int64 and gathers its row of the Markov embedding table ([V, r], any dtype) for the
-    next position: [B, r] in the table's dtype ([B, 0] float32 when table is None)."""
-    if best.dim() != 2 or index.shape != best.shape or index.dtype != torch.int64:
-        raise ValueError(f"best [B, C] and index [B, C] int64 expected, got {tuple(best.shape)} "
-                         f"and {index.dtype} {tuple(index.shape)}")
+@triton_op("dspark::gumbel_pick", mutates_args=("tokens", "stat_max", "stat_sum"))
+def gumbel_pick(best: Tensor, index: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
+                table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
+                stat_sum: Tensor) -> Tensor:
+    """Reduces a step's per-tile outputs (best, index, chunk_max, chunk_sum [B, C]) for position k:
+    writes the drawn token to tokens[:, k] ([B, K] int64) and the merged softmax statistics of the
+    position, max M and sum of exp(x - M), to stat_max[:, k] and stat_sum[:, k] ([B, K] float32).
+    Returns the token's row of the Markov embedding table ([V, r], any dtype) for the next position:
+    [B, r] in the table's dtype ([B, 0] float32 when table is None)."""
+    if best.dim() != 2 or index.dtype != torch.int64 or any(
+            t.shape != best.shape or not t.is_contiguous() for t in (best, index, chunk_max, chunk_sum)):
+        raise ValueError(f"best, index (int64), chunk_max, chunk_sum must be contiguous [B, C], got "
+                         f"{[tuple(t.shape) for t in (best, index, chunk_max, chunk_sum)]}")
+    batch = best.shape[0]
+    if tokens.dim() != 2 or tokens.shape[0] != batch or tokens.dtype != torch.int64 or any(
+            t.shape != tokens.shape or not t.is_contiguous() for t in (tokens, stat_max, stat_sum)):
+        raise ValueError(f"tokens (int64), stat_max, stat_sum must be contiguous [{batch}, K]")
+    if not 0 <= k < tokens.shape[1]:
+        raise ValueError(f"draft position k={k} outside 0..{tokens.shape[1] - 1}")
     if table is not None and (table.dim() != 2 or table.stride(1) != 1):
         raise ValueError(f"table must be [V, r] with contiguous rows, got {tuple(table.shape)}")
     if best.device.type == "cpu":
-        return gumbel_pick_torch(best, index, table)
-    batch = best.shape[0]
-    token = index.new_empty(batch)
+        return gumbel_pick_torch(best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
+                                 stat_sum)
     rows = (best.new_empty((batch, 0)) if table is None
             else table.new_empty((batch, table.shape[1])))
-    launch_gumbel_pick(wrap_triton, best.contiguous(), index.contiguous(), table, token, rows)
-    return token, rows
+    launch_gumbel_pick(wrap_triton, best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
+                       stat_sum, rows)
+    return rows

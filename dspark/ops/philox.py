@@ -1,13 +1,17 @@
 """Counter-based Philox4x32-10 noise, in Triton and in plain torch, bit for bit the same.
 
-One draw is keyed by the request's `seed` (the Philox key) and a 128-bit counter
-`(token, stream, offset_lo, offset_hi)`: `token` is the vocabulary id, `stream` tells the uses apart
+One evaluation is keyed by the request's `seed` (the Philox key) and a 128-bit counter
+`(c0, stream, offset_lo, offset_hi)`, and gives four 32-bit output words. `stream` tells the uses apart
 (see the STREAM_* constants; each packs a position below 2**16), `offset` is the request's 64-bit
-offset (the sequence position of the step's anchor). Nothing else enters, so a draw never depends on
-batch row, chunk size, padding or tensor-parallel rank.
+offset (the sequence position of the step's anchor). Token id t takes word t % 4 of the evaluation
+with c0 = t // 4 (words numbered in Philox's output order), so one evaluation serves four tokens.
+Nothing else enters, so a draw never depends on batch row, chunk size, padding or tensor-parallel
+rank. A single draw per (stream, request), such as an acceptance uniform, is token 0's: word 0 of
+counter 0.
 
-`uniform` maps the first output word to (0, 1) with full resolution near 0; `gumbel` is
--log(-log(1 - u)), computed so that its winning tail (u -> 0) keeps that resolution.
+`uniform` maps a word to (0, 1) with full resolution near 0; `exponential` maps a uniform to
+Exp(1) as -log(1 - u), computed so that small values (u -> 0, the winning tail of an exponential race
+argmax_v w_v / e_v) keep that resolution.
 """
 from __future__ import annotations
 
@@ -24,9 +28,9 @@ U_MAX = 1.0 - 2.0 ** -24  # largest uniform, so log(1 - u) stays finite
 SERIES_BELOW = 2.0 ** -12  # below it, -log(1 - u) = u + u^2 / 2 to float32 precision
 
 # Streams: the high bits of counter word 1. The low 16 bits carry a position.
-STREAM_DRAFT = 0 << 16  # Gumbel noise of draft position k
+STREAM_DRAFT = 0 << 16  # noise of draft position k
 STREAM_ACCEPT = 1 << 16  # acceptance uniform of verified position i
-STREAM_TARGET = 2 << 16  # Gumbel noise of the correction / bonus token at position i
+STREAM_TARGET = 2 << 16  # noise of the correction / bonus token at position i
 
 # Compiled Triton reads module globals only as constexprs: the kernels use these copies.
 _ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _SERIES_BELOW = (
@@ -36,16 +40,16 @@ _ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _SERIES_BEL
 # ---------------------------------------------------------------- Triton
 
 @triton.jit
-def philox_word(seed, offset, token, stream):
-    """First Philox4x32-10 output word (uint32) for key `seed` (int64 scalar) and counter
-    (token [BLOCK] int, stream int, offset int64 scalar)."""
+def philox(seed, offset, counter, stream):
+    """The four Philox4x32-10 output words (uint32) for key `seed` (int64) and counter
+    (counter, stream, offset_lo, offset_hi) (counter, stream int32, offset int64); the arguments
+    broadcast together."""
     seed = seed.to(tl.uint64)
     offset = offset.to(tl.uint64)
-    c0 = token.to(tl.uint32)
-    zero = c0 * 0
-    c1 = zero + stream.to(tl.uint32)
-    c2 = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
-    c3 = zero + (offset >> 32).to(tl.uint32)
+    c0 = counter.to(tl.uint32)
+    c1 = stream.to(tl.uint32)
+    c2 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c3 = (offset >> 32).to(tl.uint32)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
     a = tl.full([], _ROUND_A, tl.uint32)
@@ -58,21 +62,25 @@ def philox_word(seed, offset, token, stream):
         c3 = a * p0
         k0 = k0 + _KEY_A
         k1 = k1 + _KEY_B
-    return c0
+    return c0, c1, c2, c3
 
 
 @triton.jit
-def uniform(seed, offset, token, stream):
-    x = philox_word(seed, offset, token, stream)
-    u = (x.to(tl.float32) + 0.5) * _TWO_POW_M32
+def token_words(seed, offset, counter, stream):
+    """The words of tokens 4 c + j (j = 0..3) for the counters c [..., N]: [..., 4 N] uint32."""
+    w0, w1, w2, w3 = philox(seed, offset, counter, stream)
+    return tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+
+
+@triton.jit
+def uniform(word):
+    u = (word.to(tl.float32) + 0.5) * _TWO_POW_M32
     return tl.minimum(u, _U_MAX)
 
 
 @triton.jit
-def gumbel(seed, offset, token, stream):
-    u = uniform(seed, offset, token, stream)
-    e = tl.where(u < _SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
-    return -tl.log(e)
+def exponential(u):
+    return tl.where(u < _SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
 
 
 # ---------------------------------------------------------------- torch
@@ -84,12 +92,12 @@ def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & U32
 
 
-def philox_word_torch(seed: torch.Tensor, offset: torch.Tensor, token: torch.Tensor,
-                      stream: torch.Tensor | int) -> torch.Tensor:
-    """Same as `philox_word`, in int64 arithmetic; all arguments broadcast together. (They are
-    broadcast lazily: a per-row counter word stays [B, 1] until mixed with the token word.)"""
-    c0 = token.long() & U32
-    c1 = torch.as_tensor(stream, device=c0.device).long() & U32
+def philox_torch(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor | int,
+                 stream: torch.Tensor | int) -> tuple[torch.Tensor, ...]:
+    """Same as `philox`, in int64 arithmetic (words in [0, 2**32)); all arguments broadcast together.
+    (They are broadcast lazily: a per-row counter word stays [B, 1] until mixed with a wider one.)"""
+    c0, c1 = (w.long() & U32 if isinstance(w, torch.Tensor) else seed.new_full((), w & U32, dtype=torch.long)
+              for w in (counter, stream))  # new_full, not as_tensor: no host copy inside a CUDA graph
     c2 = offset.long() & U32
     c3 = (offset.long() >> 32) & U32
     k0 = seed.long() & U32
@@ -100,15 +108,21 @@ def philox_word_torch(seed: torch.Tensor, offset: torch.Tensor, token: torch.Ten
         hi_a, lo_a = _mul_hi_lo(c0, ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + KEY_A) & U32, (k1 + KEY_B) & U32
-    return c0.expand(shape)
+    return tuple(c.expand(shape) for c in (c0, c1, c2, c3))
 
 
-def uniform_torch(seed, offset, token, stream) -> torch.Tensor:
-    x = philox_word_torch(seed, offset, token, stream)
-    return ((x.float() + 0.5) * TWO_POW_M32).clamp(max=U_MAX)
+def token_words_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,
+                      stream: torch.Tensor | int) -> torch.Tensor:
+    """The words of tokens 0 .. num_tokens - 1: [..., num_tokens], where ... is the broadcast shape of
+    seed, offset and stream (give them a trailing axis of size 1)."""
+    counter = torch.arange(triton.cdiv(num_tokens, 4), device=seed.device)
+    words = torch.stack(philox_torch(seed, offset, counter, stream), dim=-1)  # [..., N / 4, 4]
+    return words.flatten(-2)[..., :num_tokens]
 
 
-def gumbel_torch(seed, offset, token, stream) -> torch.Tensor:
-    u = uniform_torch(seed, offset, token, stream)
-    e = torch.where(u < SERIES_BELOW, u + 0.5 * u * u, -torch.log(1.0 - u))
-    return -torch.log(e)
+def uniform_torch(word: torch.Tensor) -> torch.Tensor:
+    return ((word.float() + 0.5) * TWO_POW_M32).clamp(max=U_MAX)
+
+
+def exponential_torch(u: torch.Tensor) -> torch.Tensor:
+    return torch.where(u < SERIES_BELOW, u + 0.5 * u * u, -torch.log(1.0 - u))

@@ -15,10 +15,12 @@ tokens follow the target distribution p_i = softmax(logits_i / T) exactly.
 - Greedy rows (T = 0) accept while d_i is the target argmax and emit the argmax after that.
 
 A zero proposal q(d_i) rejects. When a residual has no mass the token is drawn from p instead. Noise is
-Philox keyed by (seed, offset): the uniform of draft i is uniform(token 0, STREAM_ACCEPT + i) (eta_i of
-block verification is the uniform of its last draft, i - 1); the correction or bonus token at
-position i is the Gumbel-max argmax_v log w(v) + gumbel(token v, STREAM_TARGET + i). Ties go to the
-smallest token id; NaN logits count as -inf, so padding rows give in-range tokens.
+Philox keyed by (seed, offset) (philox.py): the uniform of draft i is that of token 0 in stream
+STREAM_ACCEPT + i (eta_i of block verification is the uniform of its last draft, i - 1); the
+correction or bonus token at position i is drawn from weights w by the exponential race
+argmax_v w(v) / e_v, with e_v the exponential of token v in stream STREAM_TARGET + i (a Gumbel-max
+without logs). Ties go to the smallest token id; NaN logits count as -inf, so padding rows give
+in-range tokens.
 
 On CUDA the op runs Triton kernels over vocabulary chunks (per-chunk softmax statistics, a small
 per-request acceptance scan, a chunked Gumbel-max resample, as vLLM's Model Runner V2 does); on CPU it
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.ops.philox import STREAM_ACCEPT, STREAM_TARGET, gumbel, gumbel_torch, uniform, uniform_torch
+from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, exponential, exponential_torch, philox,
+                               philox_torch, token_words, token_words_torch, uniform, uniform_torch)
 
 CHUNK = 4096  # vocabulary columns per program of the statistics passes
 RESAMPLE_CHUNK = 1024  # and of the resample, whose Philox noise is compute-bound: more, smaller programs
@@ -49,10 +52,10 @@ def _scaled(target_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return scaled.masked_fill(scaled.isnan(), float("-inf"))
 
 
-def _gumbel_argmax(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """weights, noise [B, V] -> [B]: argmax_v log w(v) + noise(v) over tokens of positive weight,
-    a draw from w / sum(w)."""
-    score = torch.where(weights > 0, weights.log() + noise, float("-inf"))
+def _race_argmax(weights: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """weights, e [B, V] -> [B]: argmax_v w(v) / e(v) over tokens of positive weight, a draw from
+    w / sum(w) when the e(v) are independent Exp(1)."""
+    score = torch.where(weights > 0, weights / e, float("-inf"))
     return score.argmax(dim=-1)
 
 
@@ -85,7 +88,7 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     p_draft = probs[:, :K].gather(-1, drafts).squeeze(-1)  # [B, K]
     q_draft = proposals.gather(-1, drafts).squeeze(-1)
     position = torch.arange(K, device=target_logits.device)
-    u = uniform_torch(seed[:, None], offset[:, None], torch.zeros_like(position), STREAM_ACCEPT + position)
+    u = uniform_torch(philox_torch(seed[:, None], offset[:, None], 0, STREAM_ACCEPT + position)[0])
 
     greedy = temperature == 0
     greedy_emitted, n_greedy = greedy_verify(scaled, draft_tokens)
@@ -102,10 +105,9 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     p_row = probs.gather(1, row).squeeze(1)  # [B, V]
     q_row = F.pad(proposals, (0, 0, 0, 1)).gather(1, row).squeeze(1)  # the bonus row has q = 0
     residual = (scale[:, None] * p_row - q_row).clamp(min=0.0)
-    noise = gumbel_torch(seed[:, None], offset[:, None], torch.arange(V, device=n.device),
-                         STREAM_TARGET + n[:, None])
-    sampled = torch.where(residual.gt(0).any(dim=-1), _gumbel_argmax(residual, noise),
-                          _gumbel_argmax(p_row, noise))
+    e = exponential_torch(uniform_torch(token_words_torch(seed[:, None], offset[:, None], V,
+                                                          STREAM_TARGET + n[:, None])))
+    sampled = torch.where(residual.gt(0).any(dim=-1), _race_argmax(residual, e), _race_argmax(p_row, e))
     emitted = torch.where(greedy[:, None], greedy_emitted, _emit(draft_tokens, n, sampled))
     return emitted, n
 
@@ -200,7 +202,8 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_probs_ptr, slots_ptr, tem
             tl.store(rho_ptr + b * (K + 1) + j + 1, rho)
         accept = d == argmax
     else:
-        u = uniform(tl.load(seed_ptr + b), tl.load(offset_ptr + b), i * 0, i + ACCEPT_STREAM)
+        word, _, _, _ = philox(tl.load(seed_ptr + b), tl.load(offset_ptr + b), i * 0, i + ACCEPT_STREAM)
+        u = uniform(word)
         accept = tl.where(greedy, d == argmax, (q > 0) & (u * q < p))
     n = tl.min(tl.where(is_draft & ~accept, i, K))  # the first rejected position
     tl.store(num_accepted_ptr + b, n.to(tl.int64))
@@ -245,7 +248,8 @@ def _block_length_kernel(temperature_ptr, seed_ptr, offset_ptr, rho_ptr, mass_pt
             h = tl.where(denominator == 0, 1.0, mass / denominator)
         else:
             h = rho
-        eta = uniform(seed, offset, zero, zero + ACCEPT_STREAM + i - 1)
+        word, _, _, _ = philox(seed, offset, zero, zero + ACCEPT_STREAM + i - 1)
+        eta = uniform(word)
         tau = tl.where(eta <= h, i, tau)
     tl.store(num_accepted_ptr + b, tau)
 
@@ -254,8 +258,8 @@ def _block_length_kernel(temperature_ptr, seed_ptr, offset_ptr, rho_ptr, mass_pt
 def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, seed_ptr, offset_ptr, lse_ptr,
                      rho_ptr, num_accepted_ptr, best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, V,
                      K: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (sampled request, chunk): Gumbel-max candidates at row n = accepted count, once from the
-    residual w = max(scale * p - q, 0) and once from p (the fallback when w has no mass)."""
+    """Per (sampled request, chunk): exponential-race candidates at row n = accepted count, once from
+    the residual w = max(scale * p - q, 0) and once from p (the fallback when w has no mass)."""
     b, c = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + b)
     if temperature == 0:
@@ -271,9 +275,11 @@ def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, se
     if BLOCK:
         scale = tl.where(n < K, tl.load(rho_ptr + row), 1.0)
     w = tl.maximum(scale * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
-    noise = gumbel(tl.load(seed_ptr + b), tl.load(offset_ptr + b), cols, n + TARGET_STREAM)
-    score_w = tl.where(w > 0, tl.log(w) + noise, float("-inf"))
-    score_p = tl.where(p > 0, tl.log(p) + noise, float("-inf"))
+    counters = c * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
+    words = token_words(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM)
+    e = exponential(uniform(words))
+    score_w = tl.where(w > 0, w / e, float("-inf"))
+    score_p = tl.where(p > 0, p / e, float("-inf"))
     best_w, arg_w = tl.max(score_w, 0, return_indices=True, return_indices_tie_break_left=True)
     best_p, arg_p = tl.max(score_p, 0, return_indices=True, return_indices_tie_break_left=True)
     out = b * tl.num_programs(1) + c
@@ -315,8 +321,8 @@ def _emit_kernel(draft_tokens_ptr, temperature_ptr, argmax_ptr, num_accepted_ptr
 def launch_verify(wrap, target_logits, draft_tokens, draft_probs, slots, temperature, seed, offset, block: bool,
                   chunk: int = CHUNK, resample_chunk: int = RESAMPLE_CHUNK):
     """Runs the verification kernels; `wrap` is torch.library.wrap_triton inside the op (identity in
-    interpreter tests). `chunk` and `resample_chunk` (powers of 2) are the vocabulary chunks of the
-    statistics passes and of the Gumbel-max resample."""
+    interpreter tests). `chunk` and `resample_chunk` (powers of 2, the latter at least 4) are the
+    vocabulary chunks of the statistics passes and of the resample."""
     target_logits, draft_probs = target_logits.contiguous(), draft_probs.contiguous()
     B, K1, V = target_logits.shape
     K = K1 - 1

@@ -1,15 +1,24 @@
 """The drafting kernels (step, pick, proposal) under the Triton interpreter against the plain-torch
-implementations: tokens and gathered rows exactly, statistics and proposals to float32 rounding
-(numpy's exp/log may differ from torch's by an ulp)."""
+implementations: biased logits, tile maxima, winners' token ids and gathered rows exactly; sums and
+proposals to float32 rounding (numpy's exp/log may differ from torch's by an ulp).
+
+The step kernel is checked with each bias (none, a precomputed bias, the fused rank product u @ W2^T on
+FMAs below 16 rows per tile and on tl.dot from 16), one and several vocabulary tiles, one and several
+row tiles (B = 17 crosses a 16-row tile), float32 and bfloat16 logits, greedy and NaN padding rows. The
+rank-product data are small integers times powers of two, so every sum is exact in float32 in any
+order and the kernel's biased logits equal u.float() @ W2.float().T bit for bit."""
 import pytest
 import torch
 
-from dspark.ops.gumbel_max import (gumbel_pick_torch, gumbel_step_torch, launch_gumbel_pick,
-                                   launch_gumbel_step, num_chunks)
+from dspark.ops.gumbel_max import (gumbel_pick_torch, launch_gumbel_pick, launch_step, num_chunks,
+                                   step_torch)
 from dspark.ops.proposal import launch_write_proposals, write_proposals_torch
 
-B, K, V, R = 4, 2, 300, 8
-TEMPERATURE = torch.tensor([1.0, 0.0, 1.0, 0.7])  # row 1 greedy, row 2 a NaN padding row
+K, V, R = 2, 300, 24
+
+# numpy evaluates log(0) and -inf - -inf in lanes the kernels then discard
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
+                                        "ignore:invalid value:RuntimeWarning")
 
 
 def run_kernel(kernel):
@@ -17,92 +26,142 @@ def run_kernel(kernel):
     return kernel
 
 
-def inputs(dtype, with_bias=True):
-    g = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(B, K, V, generator=g)).to(dtype)
-    logits[1, :, [7, 290]] = 20.0  # greedy row: a tie across chunks goes to the smaller id
-    logits[2] = float("nan")
-    bias = torch.randn(B, V, generator=g) if with_bias else None
-    if bias is not None:
-        bias[1, [7, 290]] = 0.0  # keep the tie a tie once the bias is added
-    seed = torch.tensor([5, 6, 7, 2**40 + 3])
-    offset = torch.tensor([0, 11, 12, 2**33 + 1])
-    return logits, bias, TEMPERATURE, seed, offset
+def inputs(batch, dtype, weights_dtype=torch.bfloat16, exact=True, seed=0):
+    """logits [B, K, V], bias [B, V], u [B, R], w2 [V, R], temperature, seed, offset [B]. Row 1 is
+    greedy with a tie across tiles (tokens 7 and 290), row 2 (if any) a NaN padding row."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(batch, K, V, generator=g)).to(dtype)
+    if exact:
+        u = torch.randint(-4, 5, (batch, R), generator=g) / 4
+        w2 = torch.randint(-4, 5, (V, R), generator=g) / 8
+    else:
+        u, w2 = torch.randn(batch, R, generator=g), torch.randn(V, R, generator=g) / 4
+    u, w2 = u.to(weights_dtype), w2.to(weights_dtype)
+    temperature = 0.5 + torch.rand(batch, generator=g)
+    if batch > 1:
+        temperature[1] = 0.0
+        logits[1, :, [7, 290]] = 20.0
+        w2[290] = w2[7]  # the same rank-product bias at both
+    if batch > 2:
+        logits[2] = float("nan")
+    bias = (u.float() @ w2.float().T).contiguous()
+    seeds = torch.randint(-2**62, 2**62, (batch,), generator=g)
+    offsets = torch.randint(0, 2**40, (batch,), generator=g)
+    return logits, bias, u, w2, temperature, seeds, offsets
 
 
-def step_buffers(chunks):
-    return (torch.full((B, K, V), -1.0), torch.full((B, K, chunks), -1.0),
-            torch.full((B, K, chunks), -1.0))
+def kernel_steps(logits, bias, u, w2, temperature, seed, offset, block_v, block_b):
+    """All K steps of the kernel into fresh buffers -> biased, [(best, index, chunk_max, chunk_sum)]."""
+    batch = logits.shape[0]
+    biased = torch.full((batch, K, V), -1.0)
+    outputs = []
+    for k in range(K):
+        shape = (batch, num_chunks(V, block_v))
+        out = (torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64),
+               torch.full(shape, -1.0), torch.full(shape, -1.0))
+        launch_step(run_kernel, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v,
+                    block_b, *out)
+        outputs.append(out)
+    return biased, outputs
 
 
-def run_steps(step, logits, bias, temperature, seed, offset, chunk_size):
-    """All K steps into fresh buffers; returns the buffers and each step's chunk winners."""
-    biased, chunk_max, chunk_sum = step_buffers(num_chunks(V, chunk_size))
-    winners = [step(logits, bias, temperature, seed, offset, k, biased, chunk_max, chunk_sum,
-                    chunk_size) for k in range(K)]
-    return biased, chunk_max, chunk_sum, winners
+def torch_steps(logits, bias, temperature, seed, offset, block_v):
+    biased = torch.full((logits.shape[0], K, V), -1.0)
+    return biased, [step_torch(logits, bias, temperature, seed, offset, k, biased, block_v)
+                    for k in range(K)]
 
 
-def kernel_step(logits, bias, temperature, seed, offset, k, biased, chunk_max, chunk_sum,
-                chunk_size):
-    best = torch.empty(B, chunk_max.shape[-1])
-    index = torch.empty(B, chunk_max.shape[-1], dtype=torch.int64)
-    launch_gumbel_step(run_kernel, logits, bias, temperature, seed, offset, k, biased, chunk_max,
-                       chunk_sum, chunk_size, best, index)
-    return best, index
-
-
-@pytest.mark.parametrize("chunk_size", [512, 128], ids=["1chunk", "3chunks"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_kernel_matches_torch(dtype, chunk_size):
-    args = inputs(dtype)
-    got = run_steps(kernel_step, *args, chunk_size)
-    want = run_steps(gumbel_step_torch, *args, chunk_size)
-    assert torch.equal(got[0], want[0])  # biased logits: one float32 add, exact
-    assert torch.equal(got[1], want[1])  # chunk maxima of the correctly rounded biased / T
-    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=0)
-    for (best, index), (want_best, want_index) in zip(got[3], want[3]):
+def assert_steps_equal(got, want):
+    assert torch.equal(got[0], want[0])  # biased logits: exact
+    for (best, index, m, s), (want_best, want_index, want_m, want_s) in zip(got[1], want[1]):
         assert torch.equal(index, want_index)
+        assert torch.equal(m, want_m)  # tile maxima of the correctly rounded biased * (1 / T)
+        torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
         torch.testing.assert_close(best, want_best, rtol=1e-6, atol=1e-6)
-    assert gumbel_pick_torch(*got[3][0], None)[0][1] == 7  # the greedy row's tie: smaller id
 
 
-def test_step_kernel_without_bias():
-    args = inputs(torch.float32, with_bias=False)
-    got = run_steps(kernel_step, *args, 128)
-    want = run_steps(gumbel_step_torch, *args, 128)
-    assert torch.equal(got[0], want[0])
-    for (_, index), (_, want_index) in zip(got[3], want[3]):
-        assert torch.equal(index, want_index)
+TILES = [(512, 1), (128, 4), (64, 16)]  # (block_v, block_b): one tile, FMA product, tl.dot
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("tiles", TILES, ids=["1tile-1row", "3tiles-fma", "5tiles-dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_kernel_matches_torch(dtype, tiles, batch):
+    logits, bias, u, w2, temperature, seed, offset = inputs(batch, dtype)
+    got = kernel_steps(logits, None, u, w2, temperature, seed, offset, *tiles)
+    want = torch_steps(logits, bias, temperature, seed, offset, tiles[0])
+    assert_steps_equal(got, want)
+    if batch > 2:
+        assert torch.equal(got[0][2], bias[2].expand(K, V))  # the padding row: the bias alone
+    if batch > 1:
+        tokens, stat_max, stat_sum = pick_buffers(batch)
+        gumbel_pick_torch(*got[1][0], None, 0, tokens, stat_max, stat_sum)
+        assert tokens[1, 0] == 7  # the greedy row's tie: the smaller id
+
+
+@pytest.mark.parametrize("batch", [3, 17])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_kernel_on_random_weights(weights_dtype, batch):
+    """Sums of random products round differently in another order: biased logits to a tolerance."""
+    logits, bias, u, w2, temperature, seed, offset = inputs(batch, torch.bfloat16, weights_dtype,
+                                                            exact=False)
+    for tiles in ((128, 4), (64, 16)):
+        got, _ = kernel_steps(logits, None, u, w2, temperature, seed, offset, *tiles)
+        want, _ = torch_steps(logits, bias, temperature, seed, offset, tiles[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("tiles", [(512, 1), (128, 1), (64, 4)], ids=["1tile", "3tiles", "5tiles-4rows"])
+def test_step_kernel_with_a_precomputed_bias_or_none(tiles, with_bias):
+    logits, bias, _, _, temperature, seed, offset = inputs(5, torch.bfloat16)
+    bias = bias if with_bias else None
+    got = kernel_steps(logits, bias, None, None, temperature, seed, offset, *tiles)
+    assert_steps_equal(got, torch_steps(logits, bias, temperature, seed, offset, tiles[0]))
+
+
+def pick_buffers(batch):
+    return (torch.full((batch, K), -1, dtype=torch.int64), torch.full((batch, K), -1.0),
+            torch.full((batch, K), -1.0))
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, None])
 def test_pick_kernel_matches_torch(table_dtype):
     g = torch.Generator().manual_seed(1)
-    chunks = 5
-    best = torch.randn(B, chunks, generator=g)
-    best[0, 3] = best[0, 1] = best[0].max() + 1  # tie between chunks: the first chunk wins
+    batch, chunks = 4, 5
+    best = torch.randn(batch, chunks, generator=g)
+    best[0, 3] = best[0, 1] = best[0].max() + 1  # tie between tiles: the first tile wins
     best[1] = float("-inf")
-    index = torch.randint(0, V, (B, chunks), generator=g)
+    index = torch.randint(0, V, (batch, chunks), generator=g)
+    chunk_max = 5 * torch.randn(batch, chunks, generator=g)
+    chunk_max[2, [0, 4]] = float("-inf")  # tiles without mass
+    chunk_max[3] = float("-inf")
+    chunk_sum = torch.where(chunk_max == float("-inf"), 0.0, 1 + 9 * torch.rand(batch, chunks, generator=g))
     table = None if table_dtype is None else torch.randn(V, R, generator=g).to(table_dtype)
-    token = torch.empty(B, dtype=torch.int64)
-    rows = torch.empty(B, 0) if table is None else torch.empty(B, R, dtype=table_dtype)
-    launch_gumbel_pick(run_kernel, best, index, table, token, rows)
-    want_token, want_rows = gumbel_pick_torch(best, index, table)
-    assert torch.equal(token, want_token) and token[0] == index[0, 1]
-    assert torch.equal(rows, want_rows)
+    got, want = pick_buffers(batch), pick_buffers(batch)
+    rows = torch.empty(batch, 0) if table is None else torch.empty(batch, R, dtype=table_dtype)
+    launch_gumbel_pick(run_kernel, best, index, chunk_max, chunk_sum, table, 1, *got, rows)
+    want_rows = gumbel_pick_torch(best, index, chunk_max, chunk_sum, table, 1, *want)
+    assert torch.equal(got[0], want[0]) and got[0][0, 1] == index[0, 1]
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=0)
+    assert (got[0][:, 0] == -1).all() and (got[1][:, 0] == -1).all()  # other positions untouched
+    assert got[2][3, 1] == 0 and torch.equal(rows, want_rows)
 
 
-@pytest.mark.parametrize("chunk_size", [512, 128], ids=["1chunk", "3chunks"])
-def test_proposal_kernel_matches_torch(chunk_size):
-    args = inputs(torch.bfloat16)
-    biased, chunk_max, chunk_sum, winners = run_steps(gumbel_step_torch, *args, chunk_size)
-    tokens = torch.stack([gumbel_pick_torch(*w, None)[0] for w in winners], 1)
+@pytest.mark.parametrize("block_v", [512, 64], ids=["1tile", "5tiles"])
+def test_proposal_kernel_matches_torch(block_v):
+    logits, bias, _, _, temperature, seed, offset = inputs(4, torch.bfloat16)
+    biased, winners = torch_steps(logits, bias, temperature, seed, offset, block_v)
+    tokens, stat_max, stat_sum = pick_buffers(4)
+    for k, w in enumerate(winners):
+        gumbel_pick_torch(*w, None, k, tokens, stat_max, stat_sum)
     slots = torch.tensor([4, 0, 2, 1])
     probs = [torch.full((6, K, V), -1.0) for _ in range(2)]
-    launch_write_proposals(run_kernel, biased, chunk_max, chunk_sum, TEMPERATURE, tokens, slots,
+    launch_write_proposals(run_kernel, biased, stat_max, stat_sum, temperature, tokens, slots,
                            probs[0])
-    write_proposals_torch(biased, chunk_max, chunk_sum, TEMPERATURE, tokens, slots, probs[1])
+    write_proposals_torch(biased, stat_max, stat_sum, temperature, tokens, slots, probs[1])
     torch.testing.assert_close(probs[0], probs[1], rtol=1e-5, atol=1e-7)
     assert (probs[0][[3, 5]] == -1).all()  # slots of no row are left alone
     assert torch.equal(probs[0][0], torch.nn.functional.one_hot(tokens[1], V).float())
+    torch.testing.assert_close(probs[0][slots].sum(-1), torch.ones(4, K))
