@@ -5,10 +5,8 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 (CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- dspark: ancestral_draft(fused=False), the seed's design (bias GEMM, Gumbel-max step, pick per
-  position; one proposal launch);
-- dspark fused: ancestral_draft, the bias product inside the step (step, pick per position; one
-  proposal launch), at the default tiles; with --tiles, one more column per (block_v, block_b);
+- dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch) at
+  the step's default tiles; with --tiles, one more column per step tiling (block_v, block_b);
 - bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -16,7 +14,7 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
   and read back once, the float32 proposals written once.
 
     python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
-    python bench/drafting.py --tiles 128x16 256x16 128x32 64x64   # also these fused tilings
+    python bench/drafting.py --tiles 4096x1 2048x2             # also these step tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -87,9 +85,8 @@ def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], flo
                 "B": batch,
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
                                                            draft_probs), device),
-                "dspark": dspark(fused=False),
-                "dspark fused": dspark(),
-                **{f"fused {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
+                "dspark": dspark(),
+                **{f"dspark {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
@@ -123,7 +120,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--rank", type=int, default=256)
     parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
-                        help="also time the fused step at these (block_v, block_b) tiles")
+                        help="also time ancestral_draft with these step tiles (block_v, block_b)")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     if args.smoke:

@@ -2,12 +2,11 @@
 where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
 the position's proposal for verification.
 
-Per position: the head's rank vector (for the vanilla head the Markov embedding the pick op gathered),
-the fused step op (Markov bias, Gumbel-max race, statistics; gumbel_max.py), the pick op (the token,
-the merged statistics, the Markov embedding of the token for the next position). After the block,
-the proposal op writes all K proposals. `fused=False` runs the seed's design instead: the bias as a
-cuBLAS GEMM through the head, then a step op that reads it. Static shapes and no host sync: the block
-compiles with torch.compile(fullgraph=True) and is captured in a CUDA graph.
+Per position: the Markov bias (a cuBLAS GEMM through the head), the step op (Gumbel-max race and
+softmax statistics; gumbel_max.py), the pick op (the token, the merged statistics, the Markov
+embedding of the token for the next position). After the block, the proposal op writes all K
+proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
+and is captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -15,14 +14,13 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, markov_step, step_tiles
+from dspark.ops.gumbel_max import STEP_TILES, gumbel_pick, gumbel_step
 from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
-                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None,
-                    fused: bool = True) -> Tensor:
+                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] = STEP_TILES) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
     logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
@@ -31,35 +29,23 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     anchor [B] int64: the token before position 0; temperature [B] float32 (0 = greedy: the argmax
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
-    tiles: the step's (block_v, block_b), by default step_tiles(B, fused); fused: the Markov bias
-    inside the step (markov_step) rather than a GEMM before it (gumbel_step).
+    tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program.
     """
     batch, positions, vocab = logits.shape
-    fused = fused and head is not None
-    block_v, block_b = tiles or step_tiles(batch, fused)
     biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
     stat_max = logits.new_empty((batch, positions), dtype=torch.float32)
     stat_sum = torch.empty_like(stat_max)
 
-    table = prev = state = None
+    table = prev = state = bias = None
     if head is not None:
         table = head.markov_w1.weight
         prev = head.markov_w1(anchor)
         state = head.initial_state(batch)
     for k in range(positions):
-        step_hidden = None if hidden is None else hidden[:, k]
-        if head is None:
-            winners = gumbel_step(logits, None, temperature, seed, offset, k, biased, block_v,
-                                  block_b)
-        elif fused:
-            u, state = head.rank_input(prev, step_hidden, state)
-            winners = markov_step(logits, u, head.markov_w2.weight, temperature, seed, offset, k,
-                                  biased, block_v, block_b)
-        else:
-            bias, state = head.bias(prev, step_hidden, state)
-            winners = gumbel_step(logits, bias, temperature, seed, offset, k, biased, block_v,
-                                  block_b)
+        if head is not None:
+            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
+        winners = gumbel_step(logits, bias, temperature, seed, offset, k, biased, *tiles)
         prev = gumbel_pick(*winners, table, k, tokens, stat_max, stat_sum)
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, draft_probs)
     return tokens
@@ -67,10 +53,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
 
 def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
     """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
-    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows (up to the
-    rounding of the bias: here it is markov_w2's output in the weights' dtype, where the fused step
-    adds the float32 product; the same for float32 heads); a batch of greedy requests needs nothing
-    more (no noise, no proposals: greedy verification reads none).
+    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows; a batch of
+    greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
 
     logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.
     """

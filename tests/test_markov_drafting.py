@@ -1,6 +1,9 @@
-"""Markov heads and ancestral drafting of a block on CPU: the heads compute DeepSpec's biases, the
-drafts follow the chained distribution (position 0, position 1 given the drawn position 0, and the
-pair), and the stored proposals are the distributions the drafts were drawn from."""
+"""Markov heads and ancestral drafting of a block (the bias through the head, then the step and pick
+ops per position): the heads compute DeepSpec's biases, the drafts follow the chained distribution
+(position 0, position 1 given the drawn position 0, and the pair), the stored proposals are the
+distributions the drafts were drawn from, greedy rows draw greedy_draft's argmax chain, and the block
+compiles with torch.compile(fullgraph=True) to the eager result; the `gpu` test checks CUDA against
+the CPU implementation and CUDA-graph replay."""
 import copy
 
 import numpy as np
@@ -11,6 +14,7 @@ import torch.nn.functional as F
 from dspark.config import DrafterConfig
 from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.markov import GatedMarkov, RNNMarkov, VanillaMarkov, build_markov_head
+from dspark.ops.gumbel_max import STEP_TILES
 from stats import assert_differs, assert_matches
 
 V, R, D = 10, 4, 8
@@ -72,7 +76,7 @@ N, ANCHOR, TEMPERATURE = 20_000, 2, 0.8
 
 
 def draft(logits, head, hidden=None, temperature=None, seed=None, offset=None, anchor=None,
-          tiles=(16, 1), fused=True):
+          tiles=(16, 1)):
     """ancestral_draft with slot b for row b -> (tokens [B, K], draft_probs [B, K, V])."""
     batch, k, _ = logits.shape
     temperature = torch.full((batch,), TEMPERATURE) if temperature is None else temperature
@@ -81,7 +85,7 @@ def draft(logits, head, hidden=None, temperature=None, seed=None, offset=None, a
     anchor = torch.full((batch,), ANCHOR) if anchor is None else anchor
     probs = torch.full((batch, k, V), -1.0)
     tokens = ancestral_draft(logits, hidden, head, anchor, temperature, seed, offset,
-                             torch.arange(batch), probs, tiles, fused)
+                             torch.arange(batch), probs, tiles)
     return tokens, probs
 
 
@@ -92,12 +96,12 @@ def softmax64(logits, temperature=TEMPERATURE):
 class Sample:
     """N blocks of K = 2 drafts, all rows alike but for the seed, and the laws they should follow."""
 
-    def __init__(self, dtype, tiles, fused):
+    def __init__(self, dtype, tiles):
         g = torch.Generator().manual_seed(3)
         self.base = (1.5 * torch.randn(2, V, generator=g)).to(dtype).double()
         head = make_head()
         logits = self.base.to(dtype)[None].repeat(N, 1, 1)
-        tokens, _ = draft(logits, head, tiles=tiles, fused=fused)
+        tokens, _ = draft(logits, head, tiles=tiles)
         self.d0, self.d1 = tokens[:, 0].numpy(), tokens[:, 1].numpy()
         with torch.no_grad():
             self.transition = (head.markov_w1.weight @ head.markov_w2.weight.T).double()  # [prev, V]
@@ -108,11 +112,9 @@ class Sample:
         return np.bincount(self.d0 * V + self.d1, minlength=V * V).reshape(V, V)  # [d0, d1]
 
 
-@pytest.fixture(scope="module", params=[(torch.float32, (16, 1), True), (torch.float32, (4, 1), True),
-                                        (torch.bfloat16, None, True), (torch.bfloat16, (4, 1), True),
-                                        (torch.float32, (4, 1), False), (torch.bfloat16, None, False)],
-                ids=["f32-1tile", "f32-3tiles", "bf16-default", "bf16-3tiles", "f32-3tiles-gemm",
-                     "bf16-default-gemm"])
+@pytest.fixture(scope="module", params=[(torch.float32, (16, 1)), (torch.float32, (4, 1)),
+                                        (torch.bfloat16, STEP_TILES), (torch.bfloat16, (4, 1))],
+                ids=["f32-1tile", "f32-3tiles", "bf16-default", "bf16-3tiles"])
 def sample(request):
     return Sample(*request.param)
 
@@ -162,10 +164,9 @@ def reference_proposals(logits, head, hidden, anchor, tokens, temperature):
     return q
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stored_proposals_are_the_drawn_distributions(kind, dtype, fused):
+def test_stored_proposals_are_the_drawn_distributions(kind, dtype):
     head = make_head(kind)
     logits = (2 * torch.randn(6, 3, V)).to(dtype)
     logits[4] = float("nan")  # a CUDA-graph padding row
@@ -173,7 +174,7 @@ def test_stored_proposals_are_the_drawn_distributions(kind, dtype, fused):
     anchor = torch.randint(0, V, (6,))
     temperature = torch.tensor([1.0, 0.0, 0.6, 1.7, 1.0, 0.0])
     given = logits.clone()
-    tokens, probs = draft(logits, head, hidden, temperature, anchor=anchor, fused=fused)
+    tokens, probs = draft(logits, head, hidden, temperature, anchor=anchor)
     assert logits.view(torch.uint8).equal(given.view(torch.uint8))
     assert tokens.dtype == torch.int64 and ((tokens >= 0) & (tokens < V)).all()
     want = reference_proposals(logits, head, hidden, anchor, tokens, temperature)
@@ -203,8 +204,7 @@ def test_drafts_depend_on_seed_and_offset_only():
     assert len(set(map(tuple, moved.tolist()))) > 50  # each new offset draws anew
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
-def test_ancestral_draft_compiles_to_the_eager_result(fused):
+def test_ancestral_draft_compiles_to_the_eager_result():
     head = make_head("rnn")
     logits, hidden = torch.randn(5, 3, V).to(torch.bfloat16), torch.randn(5, 3, D)
     logits[3] = float("nan")
@@ -212,16 +212,16 @@ def test_ancestral_draft_compiles_to_the_eager_result(fused):
     args = (hidden, head, torch.randint(0, V, (5,)), temperature, torch.arange(5) + 100,
             torch.arange(5), torch.tensor([4, 2, 0, 1, 3]))
     probs = [torch.zeros(5, 3, V), torch.zeros(5, 3, V)]
-    want = ancestral_draft(logits, *args, probs[0], (4, 1), fused)
+    want = ancestral_draft(logits, *args, probs[0], (4, 1))
     compiled = torch.compile(ancestral_draft, fullgraph=True, backend="aot_eager")
-    got = compiled(logits, *args, probs[1], (4, 1), fused)
+    got = compiled(logits, *args, probs[1], (4, 1))
     assert torch.equal(got, want)
     torch.testing.assert_close(probs[1], probs[0], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gemm"])
-def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(fused):
+@pytest.mark.parametrize("tiles", [STEP_TILES, (256, 2)], ids=["default", "2rows"])
+def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(tiles):
     vocab, batch = 5000, 6
     torch.manual_seed(0)
     head = RNNMarkov(vocab, 32, D)
@@ -233,8 +233,8 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(fused):
     inputs = [copy.deepcopy(t).cuda() for t in cpu_inputs]
     offset, probs = inputs[6], inputs[8]
     with torch.inference_mode():
-        cpu = ancestral_draft(*cpu_inputs, fused=fused)
-        eager = ancestral_draft(*inputs, fused=fused)
+        cpu = ancestral_draft(*cpu_inputs, tiles)
+        eager = ancestral_draft(*inputs, tiles)
         assert torch.equal(eager.cpu(), cpu)
         torch.testing.assert_close(probs.cpu(), cpu_inputs[8], rtol=1e-5, atol=1e-9)
 
@@ -242,19 +242,19 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(fused):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            ancestral_draft(*inputs, fused=fused)
+            ancestral_draft(*inputs, tiles)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = ancestral_draft(*inputs, fused=fused)
+            captured = ancestral_draft(*inputs, tiles)
         probs.zero_()
         graph.replay()
         assert torch.equal(captured, eager) and torch.equal(probs, eager_probs)
         offset.add_(1)
         graph.replay()
         assert (captured != eager).float().mean() > 0.5  # a new offset draws anew
-        assert torch.equal(captured, ancestral_draft(*inputs, fused=fused))
-        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs, fused=fused), captured)
+        assert torch.equal(captured, ancestral_draft(*inputs, tiles))
+        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs, tiles), captured)
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn", None])

@@ -1,4 +1,4 @@
-"""Gumbel-max drafting, one draft position at a time: the step ops and the pick op.
+"""Gumbel-max drafting, one draft position at a time: the step op and the pick op.
 
 Draft position k is drawn from softmax(x), x = (base_k + bias) * (1 / T) with one correctly rounded
 reciprocal per row, by the exponential race argmax_v exp(x_v) / e_v: e_v ~ Exp(1) is the exponential
@@ -11,12 +11,9 @@ m + log(max_v exp(x_v - m) / e_v), so that tiles compare. The noise of a token d
 (seed, offset, position, token id): the draw does not depend on the tiling, but for float32
 rounding of near ties (a ratio is rounded relative to its tile's max). Ties go to the smallest id.
 
-Two step ops share one kernel. `gumbel_step` adds a precomputed bias [B, V] (the seed's design: the
-Markov bias is a cuBLAS GEMM before the step); `markov_step` computes the bias u @ W2^T itself from a
-Markov head's rank vector u [B, r] and W2 [V, r], accumulating in float32 (on tensor cores from 16
-rows per tile), so that W2 streams from memory once per position whatever the batch size. Both
-write the biased float32 logits (for the proposal op) and return every tile's winner and
-statistics; the pick op reduces them to the token, merges the statistics into one (max, sum) per
+The Markov bias is a cuBLAS GEMM through the head before the step (the seed's design); the step
+adds it, writes the biased float32 logits (for the proposal op) and returns every tile's winner and
+statistics. The pick op reduces them to the token, merges the statistics into one (max, sum) per
 (row, position) and gathers the next Markov embedding.
 
 Greedy rows (T = 0) take the argmax of the biased logits, without noise. NaN base logits (CUDA-graph
@@ -35,19 +32,7 @@ from dspark.ops.checks import check_rows
 from dspark.ops.philox import (STREAM_DRAFT, exponential, exponential_torch, token_words,
                                token_words_torch, uniform, uniform_torch)
 
-SEED_TILES = (1024, 1)  # (block_v, block_b) of the unfused step: one row per program
-
-
-def step_tiles(batch: int, fused: bool) -> tuple[int, int]:
-    """Default (block_v, block_b) of the step. The fused step multiplies on tensor cores from 16 rows
-    per tile, in row tiles of 16 or 32, whichever pads the batch less (32 on a tie): padding rows cost
-    their noise like real ones. One or two rows use plain FMAs instead."""
-    if not fused:
-        return SEED_TILES
-    if batch <= 2:
-        return 256, triton.next_power_of_2(batch)
-    padding = {rows: -batch % rows for rows in (32, 16)}
-    return 128, min(padding, key=padding.get)
+STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
 
 
 def num_chunks(vocab_size: int, block_v: int) -> int:
@@ -58,33 +43,11 @@ def num_chunks(vocab_size: int, block_v: int) -> int:
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _rank_product(u_ptr, w2_ptr, rows, tokens, batch, vocab_size, u_row_stride, w2_row_stride,
-                  RANK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                  BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """u[rows] @ w2[tokens]^T in float32: [BLOCK_B, BLOCK_V]."""
-    u_rows = u_ptr + rows.to(tl.int64)[:, None] * u_row_stride
-    w_rows = w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride
-    acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
-    for start in range(0, RANK, BLOCK_R):
-        r = start + tl.arange(0, BLOCK_R)
-        u = tl.load(u_rows + r[None, :], mask=(rows < batch)[:, None] & (r < RANK)[None, :], other=0.0)
-        w = tl.load(w_rows + r[None, :], mask=(tokens < vocab_size)[:, None] & (r < RANK)[None, :],
-                    other=0.0)
-        if BLOCK_B >= 16:
-            acc = tl.dot(u, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(u.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-    return acc
-
-
-@triton.jit
-def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr, offset_ptr,
-                 biased_ptr, best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream,
-                 batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
-                 u_row_stride, w2_row_stride, BIAS: tl.constexpr, RANK: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 a bias [B, V], 2 u @ w2^T."""
+def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, biased_ptr, best_ptr,
+                 index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream, batch, vocab_size,
+                 num_positions, logits_row_stride, logits_pos_stride, HAS_BIAS: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (row tile, vocabulary tile)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
     tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -95,12 +58,9 @@ def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr,
     base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
                    mask=inside, other=0.0).to(tl.float32)
     biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-    if BIAS == 1:
+    if HAS_BIAS:
         biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
                           other=0.0).to(tl.float32)
-    elif BIAS == 2:
-        biased += _rank_product(u_ptr, w2_ptr, rows, tokens, batch, vocab_size, u_row_stride,
-                                w2_row_stride, RANK, BLOCK_B, BLOCK_V, BLOCK_R, DOT_PRECISION)
     tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
              mask=inside)
 
@@ -127,26 +87,15 @@ def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr,
     tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
 
 
-def launch_step(wrap, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b,
-                best, index, chunk_max, chunk_sum):
+def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_v, block_b, best,
+                index, chunk_max, chunk_sum):
     """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
-    interpreter tests). Give bias [B, V], or u [B, r] and w2 [V, r], or neither."""
+    interpreter tests). bias: [B, V] or None."""
     batch, positions, vocab = logits.shape
-    rank = 0 if w2 is None else w2.shape[1]
-    if block_b >= 16:  # tensor cores: at least 16 along every axis
-        block_r = min(64, max(16, triton.next_power_of_2(rank)))
-    else:  # keep the FMA product [block_b, block_v, block_r] at 8192 values
-        block_r = max(1, min(triton.next_power_of_2(max(rank, 1)), 8192 // (block_b * block_v)))
-    # float32 weights multiply exactly ("ieee", not tf32); bfloat16 ones ignore the setting
-    precision = "ieee" if w2 is not None and w2.dtype == torch.float32 else "tf32"
     wrap(_step_kernel)[(triton.cdiv(batch, block_b), num_chunks(vocab, block_v))](
-        logits, logits if bias is None else bias, logits if u is None else u,
-        logits if w2 is None else w2, temperature, seed, offset, biased, best, index, chunk_max,
-        chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
-        logits.stride(1), 0 if u is None else u.stride(0), 0 if w2 is None else w2.stride(0),
-        BIAS=0 if bias is None and u is None else 1 if bias is not None else 2, RANK=rank,
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=block_r,
-        DOT_PRECISION=precision,
+        logits, logits if bias is None else bias, temperature, seed, offset, biased, best, index,
+        chunk_max, chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
+        logits.stride(1), HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_V=block_v,
         num_warps=4 if block_b * block_v <= 4096 else 8)
 
 
@@ -178,24 +127,10 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: T
     return best, index + block_v * torch.arange(chunks, device=logits.device), m, p.sum(-1)
 
 
-def _step(logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b):
-    if logits.device.type == "cpu":
-        if u is not None:
-            bias = u.float() @ w2.float().T
-        return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
-                          k, biased, block_v)
-    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
-    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
-    index = logits.new_empty(shape, dtype=torch.int64)
-    launch_step(wrap_triton, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v,
-                block_b, best, index, chunk_max, chunk_sum)
-    return best, index, chunk_max, chunk_sum
-
-
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
 def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
-                offset: Tensor, k: int, biased: Tensor, block_v: int = SEED_TILES[0],
-                block_b: int = SEED_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                offset: Tensor, k: int, biased: Tensor, block_v: int = STEP_TILES[0],
+                block_b: int = STEP_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gumbel-max step of draft position k.
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
@@ -211,27 +146,15 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: 
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{logits.shape[0]}, {logits.shape[-1]}], "
                          f"got {tuple(bias.shape)}")
-    return _step(logits, bias, None, None, temperature, seed, offset, k, biased, block_v, block_b)
-
-
-@triton_op("dspark::markov_step", mutates_args=("biased",))
-def markov_step(logits: Tensor, u: Tensor, w2: Tensor, temperature: Tensor, seed: Tensor,
-                offset: Tensor, k: int, biased: Tensor, block_v: int,
-                block_b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """gumbel_step with the Markov bias u @ w2^T computed in the kernel, in float32: u [B, r] with
-    contiguous rows (the head's rank vector, VanillaMarkov.rank_input) and w2 = markov_w2.weight
-    [V, r], of one dtype. block_b >= 16 multiplies on tensor cores and needs block_v >= 16."""
-    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
-    batch, _, vocab = logits.shape
-    if u.dim() != 2 or u.shape[0] != batch or u.stride(1) != 1:
-        raise ValueError(f"u must be [{batch}, r] with contiguous rows, got {tuple(u.shape)} "
-                         f"strides {u.stride()}")
-    if w2.shape != (vocab, u.shape[1]) or w2.stride(1) != 1 or w2.dtype != u.dtype:
-        raise ValueError(f"w2 must be [{vocab}, {u.shape[1]}] {u.dtype} with contiguous rows, got "
-                         f"{w2.dtype} {tuple(w2.shape)} strides {w2.stride()}")
-    if block_b >= 16 and block_v < 16:
-        raise ValueError(f"tensor-core tiles (block_b >= 16) need block_v >= 16, got {block_v}")
-    return _step(logits, None, u, w2, temperature, seed, offset, k, biased, block_v, block_b)
+    if logits.device.type == "cpu":
+        return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
+                          k, biased, block_v)
+    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
+    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    index = logits.new_empty(shape, dtype=torch.int64)
+    launch_step(wrap_triton, logits, bias, temperature, seed, offset, k, biased, block_v, block_b,
+                best, index, chunk_max, chunk_sum)
+    return best, index, chunk_max, chunk_sum
 
 
 def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
