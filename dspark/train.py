@@ -189,7 +189,7 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, la
     log_q = logits.log_softmax(-1)  # [B*N, K, V]
     ce = -log_q.gather(-1, labels.flatten(0, 1)[..., None]).squeeze(-1)
     tv = 0.5 * (log_q.exp() - target_probs.flatten(0, 1)).abs().sum(-1)
-    accept = 1 - tv.detach()
+    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
     loss_terms = config.ce_weight * ce + config.tv_weight * tv
     if drafter.confidence_head is not None:
         prev_embedding = head.markov_w1(rows) if head is not None and drafter.confidence_head.markov_rank else None
