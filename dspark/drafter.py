@@ -28,7 +28,7 @@ from torch import nn
 
 import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge)
 from dspark.config import DrafterConfig
-from dspark.layers import DecoderLayer, RMSNorm, Rotary
+from dspark.layers import DecoderLayer, RMSNorm, Rotary, project_vocab
 from dspark.markov import build_markov_head
 from dspark.target import KVCache
 
@@ -247,7 +247,7 @@ class DSparkDrafter(nn.Module):
                              context_visible=visible, block_visible=visible_in_block, scale=self.scale)
             x = layer(x, cos, sin, attend)
         hidden = self.norm(x)
-        return self.lm_head(hidden).float(), hidden
+        return project_vocab(self.lm_head, hidden), hidden
 
     def forward_train(self, features: torch.Tensor, tokens: torch.Tensor,
                       anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +285,7 @@ class DSparkDrafter(nn.Module):
                              scale=self.scale)
             x = layer(x, cos, sin, attend)
         hidden = self.norm(x).view(batch, num_blocks, K, -1)
-        return self.lm_head(hidden).float(), hidden
+        return project_vocab(self.lm_head, hidden), hidden
 
     def confidence(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """Confidence logits [B, K] from hidden [B, K, hidden] and, for a head trained with the Markov

@@ -1,5 +1,6 @@
 """Building blocks shared by the target and the drafter: RMSNorm, RoPE, the attention projections
-(with Qwen3's per-head q/k norm), the SwiGLU MLP and the pre-norm decoder layer."""
+(with Qwen3's per-head q/k norm), the SwiGLU MLP, the pre-norm decoder layer and the vocabulary
+projection."""
 from __future__ import annotations
 
 import math
@@ -23,6 +24,21 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+# On CPU, torch's float32 GEMM takes a slow path for 2..7 rows: SmolLM2's LM head (576 x 49152) took
+# 33 ms for 7 rows, 18 ms for 8 and 10 ms for 1 on the 2-core development machine (bench/decode_cpu.py).
+MIN_CPU_GEMM_ROWS = 8
+
+
+def project_vocab(lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """lm_head(hidden) in float32: hidden [..., d] -> logits [..., V]. On CPU a product of 2..7 rows
+    is padded to MIN_CPU_GEMM_ROWS rows (the extra rows are dropped)."""
+    rows = hidden.shape[:-1].numel()
+    if hidden.device.type == "cpu" and 1 < rows < MIN_CPU_GEMM_ROWS:
+        flat = F.pad(hidden.reshape(rows, -1), (0, 0, 0, MIN_CPU_GEMM_ROWS - rows))
+        return lm_head(flat)[:rows].view(*hidden.shape[:-1], -1).float()
+    return lm_head(hidden).float()
 
 
 def rope_inv_freq(config: TargetConfig) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.layers import DecoderLayer, RMSNorm, Rotary
+from dspark.layers import DecoderLayer, RMSNorm, Rotary, project_vocab
 
 
 class KVCache(nn.Module):
@@ -142,7 +142,7 @@ class TargetModel(nn.Module):
             x = layer(x, cos, sin, mask, positions, rows)
             if i in hidden_layer_ids:
                 hidden[i] = x
-        logits = self.lm_head(self.norm(x)).float()
+        logits = project_vocab(self.lm_head, self.norm(x))
         if not hidden_layer_ids:
             return logits, None
         return logits, torch.cat([hidden[i] for i in hidden_layer_ids], dim=-1)

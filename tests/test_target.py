@@ -5,7 +5,7 @@ import torch
 import torch._dynamo.testing
 
 from dspark.config import TargetConfig
-from dspark.layers import rope_inv_freq
+from dspark.layers import project_vocab, rope_inv_freq
 from dspark.target import TargetModel
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -218,3 +218,13 @@ def test_dropped_caches_give_plain_causal_forwards_again():
     model(tokens[None, 3:], torch.arange(3)[None])
     model.drop_caches()
     torch.testing.assert_close(full_forward(model, tokens)[0], want)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (3, 16), (1, 7, 16), (2, 4, 16), (9, 16)])
+def test_vocabulary_projection_pads_few_rows_on_cpu_and_gives_the_plain_product(shape):
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(shape)
+    logits = project_vocab(lm_head, hidden)
+    assert logits.shape == (*shape[:-1], 50) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, lm_head(hidden), rtol=1e-6, atol=1e-6)
