@@ -4,10 +4,11 @@
 - dspark without speculation (K = 0), greedy and at T = 1;
 - dspark with the shipped DSpark drafter (K = 7), greedy and at T = 1, standard and block.
 
-Tokens/s is new tokens over wall time (prefill included), median over the prompts' runs;
-tokens/step is the mean acceptance length (bonus token included).
+Tokens/s is new tokens over wall time (prefill included), median (and quartiles) over every run of
+the decoder; tokens/step is the mean acceptance length (bonus token included). The decoders take
+turns, `--rounds` passes over all of them, so a slow phase of the machine does not land on one row.
 
-    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--out table.md]
+    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--out table.md]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import datetime
 import platform
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,38 +26,41 @@ from dspark.data import heldout_prompts, render
 from dspark.loading import default_gguf_path
 from timing import emit_table
 
-def run_dspark(decoder: SpeculativeDecoder, prompts, params: SamplingParams):
-    """Returns (median tokens/s, mean tokens per step)."""
-    decoder.generate([prompts[0]], params)  # warm-up
-    rates, tokens, steps = [], 0, 0
-    for prompt in prompts:
-        began = time.perf_counter()
+@dataclass
+class Measured:
+    rates: list[float] = field(default_factory=list)  # tokens/s of each run
+    tokens: int = 0  # after the first token of each run (which the prefill gives)
+    steps: int = 0
+
+
+def dspark_runner(decoder: SpeculativeDecoder, params: SamplingParams):
+    """A function that decodes one prompt and returns (new tokens, decode steps)."""
+    def run(prompt):
         result = decoder.generate([prompt], params)[0]
-        rates.append(len(result.tokens) / (time.perf_counter() - began))
-        tokens, steps = tokens + len(result.tokens) - 1, steps + result.num_steps
-    return statistics.median(rates), tokens / max(steps, 1)
+        return len(result.tokens), result.num_steps
+    return run
 
 
-def run_transformers(prompts, n_tokens: int):
+def transformers_runner(n_tokens: int):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
     path = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    rates = []
-    for prompt in [prompts[0]] + prompts:  # the first run warms up
-        began = time.perf_counter()
+
+    def run(prompt):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
                              do_sample=False)
-        rates.append((out.shape[1] - len(prompt)) / (time.perf_counter() - began))
-    return statistics.median(rates[1:]), 1.0
+        return out.shape[1] - len(prompt), out.shape[1] - len(prompt) - 1
+    return run
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="passes over all decoders, interleaved")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     target, drafter, tokenizer = load_default()
@@ -63,22 +68,35 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     plain = SpeculativeDecoder(target, None)
-    rows = [("transformers generate, greedy", run_transformers(prompts, args.tokens)),
-            ("dspark K=0, greedy", run_dspark(plain, prompts, greedy)),
-            ("dspark K=0, T=1", run_dspark(plain, prompts, sampled))]
+    runners = {"transformers generate, greedy": transformers_runner(args.tokens),
+               "dspark K=0, greedy": dspark_runner(plain, greedy),
+               "dspark K=0, T=1": dspark_runner(plain, sampled)}
     for method in ("standard", "block"):
         spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
-        rows.append((f"dspark DSpark K=7 {method}, greedy", run_dspark(spec, prompts, greedy)))
-        rows.append((f"dspark DSpark K=7 {method}, T=1", run_dspark(spec, prompts, sampled)))
+        runners[f"dspark DSpark K=7 {method}, greedy"] = dspark_runner(spec, greedy)
+        runners[f"dspark DSpark K=7 {method}, T=1"] = dspark_runner(spec, sampled)
+    measured = {name: Measured() for name, run in runners.items() if run is not None}
+    for name in measured:
+        runners[name](prompts[0])  # warm-up
+    for _ in range(args.rounds):  # round-robin, so that slow phases of the machine hit every decoder
+        for name, m in measured.items():
+            for prompt in prompts:
+                began = time.perf_counter()
+                tokens, steps = runners[name](prompt)
+                m.rates.append(tokens / (time.perf_counter() - began))
+                m.tokens, m.steps = m.tokens + tokens - 1, m.steps + steps
     lines = [f"{datetime.date.today()}, {platform.machine()} CPU, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}; SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32; batch 1, "
-             f"{args.tokens} new tokens per held-out prompt, {args.prompts} prompts",
-             "", "| decoder | tokens/s (median) | tokens/step |", "|---|---|---|"]
-    for name, measured in rows:
-        if measured is None:
-            lines.append(f"| {name} | not installed | |")
-        else:
-            lines.append(f"| {name} | {measured[0]:.1f} | {measured[1]:.2f} |")
+             f"{args.tokens} new tokens per held-out prompt, {args.prompts} prompts x {args.rounds} rounds",
+             "", "| decoder | tokens/s (median) | tokens/s (quartiles) | tokens/step |", "|---|---|---|---|"]
+    for name in runners:
+        if name not in measured:
+            lines.append(f"| {name} | not installed | | |")
+            continue
+        m = measured[name]
+        q1, _, q3 = statistics.quantiles(m.rates, n=4)
+        lines.append(f"| {name} | {statistics.median(m.rates):.1f} | {q1:.1f} - {q3:.1f} "
+                     f"| {m.tokens / max(m.steps, 1):.2f} |")
     emit_table(lines, args.out)
 
 
