@@ -29,8 +29,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import (STREAM_DRAFT, exponential, exponential_torch, token_words,
-                               token_words_torch, uniform, uniform_torch)
+from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
 
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
 
@@ -75,7 +74,7 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
     streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
-    e = exponential(uniform(token_words(seed, offset, counters[None, :], streams[None, :])))
+    e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
     score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
     best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
     best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
@@ -119,8 +118,7 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: T
     x = by_chunk(row * inverse[:, None], float("-inf"))
     m = x.amax(-1)
     p = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[..., None])
-    words = token_words_torch(seed[:, None], offset[:, None], vocab, STREAM_DRAFT + k)
-    e = by_chunk(exponential_torch(uniform_torch(words)), 1.0)
+    e = by_chunk(token_exponentials_torch(seed[:, None], offset[:, None], vocab, STREAM_DRAFT + k), 1.0)
     score = torch.where(greedy[:, None, None], by_chunk(row, float("-inf")), p / e)
     best, index = score.max(-1)  # the first maximum: ties go to the smallest id
     best = torch.where(greedy[:, None], best, m + torch.log(torch.where(greedy[:, None], 1.0, best)))

@@ -83,6 +83,19 @@ def exponential(u):
     return tl.where(u < _SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
 
 
+@triton.jit
+def token_exponentials(seed, offset, counter, stream):
+    """Exp(1) noise of tokens 4 c + j (j = 0..3) for the counters c [..., N]: [..., 4 N] float32."""
+    return exponential(uniform(token_words(seed, offset, counter, stream)))
+
+
+@triton.jit
+def single_uniform(seed, offset, stream):
+    """The one uniform of a stream that needs a single draw: token 0's (word 0 of counter 0)."""
+    word, _, _, _ = philox(seed, offset, stream * 0, stream)
+    return uniform(word)
+
+
 # ---------------------------------------------------------------- torch
 
 def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +139,14 @@ def uniform_torch(word: torch.Tensor) -> torch.Tensor:
 
 def exponential_torch(u: torch.Tensor) -> torch.Tensor:
     return torch.where(u < SERIES_BELOW, u + 0.5 * u * u, -torch.log(1.0 - u))
+
+
+def token_exponentials_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,
+                             stream: torch.Tensor | int) -> torch.Tensor:
+    """Same as `token_exponentials`, for tokens 0 .. num_tokens - 1 (shapes as token_words_torch)."""
+    return exponential_torch(uniform_torch(token_words_torch(seed, offset, num_tokens, stream)))
+
+
+def single_uniform_torch(seed: torch.Tensor, offset: torch.Tensor, stream: torch.Tensor | int) -> torch.Tensor:
+    """Same as `single_uniform`; the arguments broadcast together."""
+    return uniform_torch(philox_torch(seed, offset, 0, stream)[0])

@@ -1,7 +1,7 @@
 """The proposal op: after a draft block, writes q_k = softmax(biased_k / T) of every position into the
 request's slot of `draft_probs`, the distribution the verifier divides by.
 
-It reads the float32 biased logits the step ops (gumbel_max.py) left and the softmax statistics of
+It reads the float32 biased logits the step op (gumbel_max.py) left and the softmax statistics of
 x = biased * (1 / T) the pick op merged per (row, position), max M and sum S of exp(x - M), and
 recomputes x with the same correctly rounded reciprocal of T the draw used: q = exp(x - M) / S is
 exactly the distribution each token was drawn from. Greedy rows (T = 0) store a one-hot at their
@@ -66,7 +66,7 @@ def write_proposals(biased: Tensor, stat_max: Tensor, stat_sum: Tensor, temperat
                     tokens: Tensor, slots: Tensor, draft_probs: Tensor) -> None:
     """draft_probs[slots[b], k] = softmax(biased[b, k] / T[b]) for every draft position k.
 
-    biased [B, K, V] float32 as the step ops wrote it; stat_max, stat_sum [B, K] float32 as the
+    biased [B, K, V] float32 as the step op wrote it; stat_max, stat_sum [B, K] float32 as the
     pick op merged them; temperature [B] float32 (0 = greedy: one-hot at tokens[b, k]);
     tokens [B, K] int64 (the drawn drafts); slots [B] int64, distinct (padding rows need a slot of
     their own); draft_probs [S, K, V] float32, rows of other slots are left as they are.

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, exponential, exponential_torch, philox,
-                               philox_torch, token_words, token_words_torch, uniform, uniform_torch)
+from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, single_uniform, single_uniform_torch,
+                               token_exponentials, token_exponentials_torch)
 
 CHUNK = 4096  # vocabulary columns per program of the statistics passes
 RESAMPLE_CHUNK = 1024  # and of the resample, whose Philox noise is compute-bound: more, smaller programs
@@ -88,7 +88,7 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     p_draft = probs[:, :K].gather(-1, drafts).squeeze(-1)  # [B, K]
     q_draft = proposals.gather(-1, drafts).squeeze(-1)
     position = torch.arange(K, device=target_logits.device)
-    u = uniform_torch(philox_torch(seed[:, None], offset[:, None], 0, STREAM_ACCEPT + position)[0])
+    u = single_uniform_torch(seed[:, None], offset[:, None], STREAM_ACCEPT + position)
 
     greedy = temperature == 0
     greedy_emitted, n_greedy = greedy_verify(scaled, draft_tokens)
@@ -105,8 +105,7 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     p_row = probs.gather(1, row).squeeze(1)  # [B, V]
     q_row = F.pad(proposals, (0, 0, 0, 1)).gather(1, row).squeeze(1)  # the bonus row has q = 0
     residual = (scale[:, None] * p_row - q_row).clamp(min=0.0)
-    e = exponential_torch(uniform_torch(token_words_torch(seed[:, None], offset[:, None], V,
-                                                          STREAM_TARGET + n[:, None])))
+    e = token_exponentials_torch(seed[:, None], offset[:, None], V, STREAM_TARGET + n[:, None])
     sampled = torch.where(residual.gt(0).any(dim=-1), _race_argmax(residual, e), _race_argmax(p_row, e))
     emitted = torch.where(greedy[:, None], greedy_emitted, _emit(draft_tokens, n, sampled))
     return emitted, n
@@ -202,8 +201,7 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_probs_ptr, slots_ptr, tem
             tl.store(rho_ptr + b * (K + 1) + j + 1, rho)
         accept = d == argmax
     else:
-        word, _, _, _ = philox(tl.load(seed_ptr + b), tl.load(offset_ptr + b), i * 0, i + ACCEPT_STREAM)
-        u = uniform(word)
+        u = single_uniform(tl.load(seed_ptr + b), tl.load(offset_ptr + b), i + ACCEPT_STREAM)
         accept = tl.where(greedy, d == argmax, (q > 0) & (u * q < p))
     n = tl.min(tl.where(is_draft & ~accept, i, K))  # the first rejected position
     tl.store(num_accepted_ptr + b, n.to(tl.int64))
@@ -248,8 +246,7 @@ def _block_length_kernel(temperature_ptr, seed_ptr, offset_ptr, rho_ptr, mass_pt
             h = tl.where(denominator == 0, 1.0, mass / denominator)
         else:
             h = rho
-        word, _, _, _ = philox(seed, offset, zero, zero + ACCEPT_STREAM + i - 1)
-        eta = uniform(word)
+        eta = single_uniform(seed, offset, zero + ACCEPT_STREAM + i - 1)
         tau = tl.where(eta <= h, i, tau)
     tl.store(num_accepted_ptr + b, tau)
 
@@ -276,8 +273,7 @@ def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, se
         scale = tl.where(n < K, tl.load(rho_ptr + row), 1.0)
     w = tl.maximum(scale * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
     counters = c * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
-    words = token_words(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM)
-    e = exponential(uniform(words))
+    e = token_exponentials(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM)
     score_w = tl.where(w > 0, w / e, float("-inf"))
     score_p = tl.where(p > 0, p / e, float("-inf"))
     best_w, arg_w = tl.max(score_w, 0, return_indices=True, return_indices_tie_break_left=True)
