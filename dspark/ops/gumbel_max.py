@@ -11,10 +11,14 @@ m + log(max_v exp(x_v - m) / e_v), so that tiles compare. The noise of a token d
 (seed, offset, position, token id): the draw does not depend on the tiling, but for float32
 rounding of near ties (a ratio is rounded relative to its tile's max). Ties go to the smallest id.
 
-The Markov bias is a cuBLAS GEMM through the head before the step (the seed's design); the step
-adds it, writes the biased float32 logits (for the proposal op) and returns every tile's winner and
-statistics. The pick op reduces them to the token, merges the statistics into one (max, sum) per
-(row, position) and gathers the next Markov embedding.
+Two step ops add the Markov bias. gumbel_step takes it precomputed (the seed's design: a cuBLAS GEMM
+through the head before the step; one program per row tile and vocabulary tile). markov_step
+computes it inside the step as u @ W2^T, u the head's rank-space input: one program per vocabulary
+tile loads its rows of W2 once and takes all batch rows through them, so W2 crosses the memory bus
+once per position and the bias never goes through memory. Both write the biased float32 logits (for
+the proposal op) and return every tile's winner and statistics. The pick op reduces them to the
+token, merges the statistics into one (max, sum) per (row, position) and gathers the next Markov
+embedding.
 
 Greedy rows (T = 0) take the argmax of the biased logits, without noise. NaN base logits (CUDA-graph
 padding rows) count as 0, so such a row draws from the bias alone.
@@ -31,7 +35,13 @@ from torch.library import triton_op, wrap_triton
 from dspark.ops.checks import check_rows
 from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
 
-STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
+STEP_TILES = (1024, 1)  # (block_v, block_b) of the unfused step: one row per program
+
+
+def markov_tiles(batch: int) -> tuple[int, int]:
+    """Default (block_v, block_b) of the fused step: FMA products for one row, tensor cores
+    (16 rows at least) from two rows on."""
+    return (64, 1) if batch == 1 else (64, 16)
 
 
 def num_chunks(vocab_size: int, block_v: int) -> int:
@@ -42,60 +52,90 @@ def num_chunks(vocab_size: int, block_v: int) -> int:
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, biased_ptr, best_ptr,
-                 index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream, batch, vocab_size,
-                 num_positions, logits_row_stride, logits_pos_stride, HAS_BIAS: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (row tile, vocabulary tile)."""
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr, offset_ptr,
+                 biased_ptr, best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream,
+                 batch, rows_per_program, vocab_size, num_positions, logits_row_stride,
+                 logits_pos_stride, rank, BIAS: tl.constexpr, BLOCK_B: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One program per (group of rows_per_program rows, vocabulary tile), taking its rows BLOCK_B
+    at a time (ROW_BLOCKS >= rows_per_program / BLOCK_B iterations). BIAS: 0 none, 1 a bias [B, V],
+    2 the product u @ w2^T with u [B, rank], w2 [V, rank] (contiguous), the w2 tile loaded once."""
     tile = tl.program_id(1)
     tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    is_row = rows < batch
-    inside = is_row[:, None] & (tokens < vocab_size)[None, :]
-    row64 = rows.to(tl.int64)[:, None]
-
-    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
-                   mask=inside, other=0.0).to(tl.float32)
-    biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-    if HAS_BIAS:
-        biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
-                          other=0.0).to(tl.float32)
-    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
-             mask=inside)
-
-    temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
-    greedy = temperature == 0.0
-    inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
-    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
-    m = tl.max(x, 1)
-    p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
-
+    in_vocab = tokens < vocab_size
+    ranks = tl.arange(0, BLOCK_R)
+    if BIAS == 2:
+        w = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * rank + ranks[None, :],
+                    mask=in_vocab[:, None] & (ranks < rank)[None, :], other=0.0)
     counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
     streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
-    seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
-    offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
-    e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
-    best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
-    best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
+    first = tl.program_id(0) * rows_per_program
+    for i in range(ROW_BLOCKS):
+        if (i * BLOCK_B < rows_per_program) & (first + i * BLOCK_B < batch):
+            rows = first + i * BLOCK_B + tl.arange(0, BLOCK_B)
+            is_row = rows < batch
+            inside = is_row[:, None] & in_vocab[None, :]
+            row64 = rows.to(tl.int64)[:, None]
 
-    out = rows * tl.num_programs(1) + tile
-    tl.store(best_ptr + out, best, mask=is_row)
-    tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
-    tl.store(chunk_max_ptr + out, m, mask=is_row)
-    tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
+            base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride
+                           + tokens[None, :], mask=inside, other=0.0).to(tl.float32)
+            biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
+            if BIAS == 1:
+                biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
+                                  other=0.0).to(tl.float32)
+            elif BIAS == 2:
+                u = tl.load(u_ptr + row64 * rank + ranks[None, :],
+                            mask=is_row[:, None] & (ranks < rank)[None, :], other=0.0)
+                if BLOCK_B >= 16:  # tensor cores
+                    biased += tl.dot(u, tl.trans(w), input_precision=DOT_PRECISION)
+                else:
+                    biased += tl.sum(u.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :],
+                     biased, mask=inside)
+
+            temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
+            greedy = temperature == 0.0
+            inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
+            x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # as proposal.py scales
+            m = tl.max(x, 1)
+            p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+
+            seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
+            offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
+            e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
+            score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
+            best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
+            best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
+
+            out = rows * tl.num_programs(1) + tile
+            tl.store(best_ptr + out, best, mask=is_row)
+            tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
+            tl.store(chunk_max_ptr + out, m, mask=is_row)
+            tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
 
 
-def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_v, block_b, best,
-                index, chunk_max, chunk_sum):
+def launch_step(wrap, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b,
+                best, index, chunk_max, chunk_sum):
     """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
-    interpreter tests). bias: [B, V] or None."""
+    interpreter tests). Give a bias [B, V] (one program per block_b rows), or u [B, r] and w2 [V, r]
+    (one program per vocabulary tile for all rows: w2 read once), or neither."""
     batch, positions, vocab = logits.shape
-    wrap(_step_kernel)[(triton.cdiv(batch, block_b), num_chunks(vocab, block_v))](
-        logits, logits if bias is None else bias, temperature, seed, offset, biased, best, index,
-        chunk_max, chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
-        logits.stride(1), HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_V=block_v,
-        num_warps=4 if block_b * block_v <= 4096 else 8)
+    rank = 0 if w2 is None else w2.shape[1]
+    rows_per_program = batch if w2 is not None else block_b
+    block_r = triton.next_power_of_2(max(rank, 1))
+    fma = w2 is not None and block_b < 16
+    values = max(block_b * block_v, block_v * block_r if fma else 0)  # live per program
+    wrap(_step_kernel)[(triton.cdiv(batch, rows_per_program), num_chunks(vocab, block_v))](
+        logits, logits if bias is None else bias, logits if u is None else u,
+        logits if w2 is None else w2, temperature, seed, offset, biased, best, index, chunk_max,
+        chunk_sum, k, STREAM_DRAFT + k, batch, rows_per_program, vocab, positions,
+        logits.stride(0), logits.stride(1), rank,
+        BIAS=2 if w2 is not None else 1 if bias is not None else 0, BLOCK_B=block_b,
+        BLOCK_V=block_v, BLOCK_R=block_r,
+        ROW_BLOCKS=triton.next_power_of_2(triton.cdiv(rows_per_program, block_b)),
+        # float32 weights multiply exactly ("ieee", not tf32); bfloat16 ones ignore the setting
+        DOT_PRECISION="ieee", num_warps=4 if values <= 4096 else 8)
 
 
 def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
@@ -125,11 +165,25 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: T
     return best, index + block_v * torch.arange(chunks, device=logits.device), m, p.sum(-1)
 
 
+def rank_product(u: Tensor, w2: Tensor) -> Tensor:
+    """The Markov bias of the fused step as the CPU computes it: u @ w2^T in float32 [B, V]."""
+    return u.float() @ w2.float().T
+
+
+def _launch(logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b):
+    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
+    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    index = logits.new_empty(shape, dtype=torch.int64)
+    launch_step(wrap_triton, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v,
+                block_b, best, index, chunk_max, chunk_sum)
+    return best, index, chunk_max, chunk_sum
+
+
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
 def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
                 offset: Tensor, k: int, biased: Tensor, block_v: int = STEP_TILES[0],
                 block_b: int = STEP_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gumbel-max step of draft position k.
+    """Gumbel-max step of draft position k with a precomputed Markov bias (the seed's design).
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
     (no Markov head); temperature [B] float32 (0 = greedy row); seed, offset [B] int64.
@@ -147,12 +201,28 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: 
     if logits.device.type == "cpu":
         return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
                           k, biased, block_v)
-    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
-    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
-    index = logits.new_empty(shape, dtype=torch.int64)
-    launch_step(wrap_triton, logits, bias, temperature, seed, offset, k, biased, block_v, block_b,
-                best, index, chunk_max, chunk_sum)
-    return best, index, chunk_max, chunk_sum
+    return _launch(logits, bias, None, None, temperature, seed, offset, k, biased, block_v, block_b)
+
+
+@triton_op("dspark::markov_step", mutates_args=("biased",))
+def markov_step(logits: Tensor, u: Tensor, w2: Tensor, temperature: Tensor, seed: Tensor,
+                offset: Tensor, k: int, biased: Tensor, block_v: int, block_b: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gumbel_step with the Markov bias u @ w2^T computed inside the step, in float32 (tensor cores
+    for block_b >= 16, FMAs below): one program per vocabulary tile reads its rows of w2 once for
+    all B rows. u [B, r] (the head's rank-space input, e.g. markov_w1[previous token]) and w2 [V, r]
+    (markov_w2.weight), contiguous, of one dtype. Same outputs as gumbel_step."""
+    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
+    batch, _, vocab = logits.shape
+    if (u.dim() != 2 or w2.dim() != 2 or u.shape[0] != batch or w2.shape != (vocab, u.shape[1])
+            or u.dtype != w2.dtype or not (u.is_contiguous() and w2.is_contiguous())):
+        raise ValueError(f"u and w2 must be contiguous [{batch}, r] and [{vocab}, r] of one dtype, "
+                         f"got {u.dtype} {tuple(u.shape)} and {w2.dtype} {tuple(w2.shape)}")
+    if block_b >= 16 and block_v < 16:
+        raise ValueError(f"tensor-core tiles (block_b >= 16) need block_v >= 16, got {block_v}")
+    if logits.device.type == "cpu":
+        return step_torch(logits, rank_product(u, w2), temperature, seed, offset, k, biased, block_v)
+    return _launch(logits, None, u, w2, temperature, seed, offset, k, biased, block_v, block_b)
 
 
 def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
