@@ -89,9 +89,9 @@ def run(batches, positions, vocab, rank, tiles, fused_tiles, device) -> tuple[li
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
                                                            draft_probs), device),
                 "seed design": dspark(fused=False),
-                **{f"seed {v}x{b}": dspark((v, b), fused=False) for v, b in tiles},
+                **{"seed " + "x".join(map(str, t)): dspark(t, fused=False) for t in tiles},
                 "dspark": dspark(),
-                **{f"dspark {v}x{b}": dspark((v, b)) for v, b in fused_tiles},
+                **{"dspark " + "x".join(map(str, t)): dspark(t) for t in fused_tiles},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
@@ -112,9 +112,9 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def tile_pair(text: str) -> tuple[int, int]:
-    block_v, block_b = text.lower().split("x")
-    return int(block_v), int(block_b)
+def tile_spec(text: str) -> tuple[int, ...]:
+    """'VxB' or 'VxBxN': block_v, block_b and optionally vocabulary tiles per program."""
+    return tuple(int(n) for n in text.lower().split("x"))
 
 
 def main():
@@ -124,10 +124,11 @@ def main():
     parser.add_argument("--positions", type=int, default=7)
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--rank", type=int, default=256)
-    parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
-                        help="also time the seed design with these step tiles (block_v, block_b)")
-    parser.add_argument("--fused-tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
-                        help="also time dspark's fused step with these tiles (block_v, block_b)")
+    parser.add_argument("--tiles", type=tile_spec, nargs="*", default=[], metavar="VxB[xN]",
+                        help="also time the seed design with these step tiles (block_v, block_b[, "
+                             "vocabulary tiles per program])")
+    parser.add_argument("--fused-tiles", type=tile_spec, nargs="*", default=[], metavar="VxB[xN]",
+                        help="also time dspark's fused step with these tiles")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     if args.smoke:

@@ -22,7 +22,7 @@ from dspark.ops.proposal import write_proposals
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
-                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None,
+                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, ...] | None = None,
                     fused: bool = True) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
@@ -32,8 +32,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     anchor [B] int64: the token before position 0; temperature [B] float32 (0 = greedy: the argmax
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
-    tiles: the step's (block_v, block_b), vocabulary tokens and batch rows per tile (default:
-    markov_tiles(B) fused, STEP_TILES otherwise); fused: the bias product inside the step (the
+    tiles: the step's (block_v, block_b[, tiles]): vocabulary tokens and batch rows per tile, and
+    on the GPU vocabulary tiles per program (default: markov_tiles(B) fused, STEP_TILES otherwise); fused: the bias product inside the step (the
     bias in float32) or a GEMM before it (the bias in the head's dtype).
     """
     batch, positions, vocab = logits.shape

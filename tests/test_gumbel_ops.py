@@ -105,8 +105,9 @@ def test_bad_inputs_are_named():
     for bad in ((u, w2.bfloat16()), (u[:2], w2), (u, w2[:-1]), (u.T.contiguous().T, w2)):
         with pytest.raises(ValueError, match="u and w2"):
             markov_step(logits, *bad, temperature, seeds, offsets, 0, biased_buffer(3), 64, 1)
-    with pytest.raises(ValueError, match="block_v >= 16"):
-        markov_step(logits, u, w2, temperature, seeds, offsets, 0, biased_buffer(3), 8, 16)
+    for tiles in ((8, 16), (64, 4)):
+        with pytest.raises(ValueError, match="block_b = 1"):
+            markov_step(logits, u, w2, temperature, seeds, offsets, 0, biased_buffer(3), *tiles)
     best, index = torch.randn(3, 2), torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="int64"):
         gumbel_pick(best, index.int(), best, best, None, 0, *pick_buffers(3))

@@ -44,7 +44,8 @@ def inputs(batch, dtype, seed=0):
     return logits, bias, temperature, seeds, offsets
 
 
-def kernel_steps(logits, bias, temperature, seed, offset, block_v, block_b, rank=(None, None)):
+def kernel_steps(logits, bias, temperature, seed, offset, block_v, block_b, tiles,
+                 rank=(None, None)):
     """All K steps of the kernel into fresh buffers -> biased, [(best, index, chunk_max, chunk_sum)]."""
     batch = logits.shape[0]
     biased = torch.full((batch, K, V), -1.0)
@@ -54,7 +55,7 @@ def kernel_steps(logits, bias, temperature, seed, offset, block_v, block_b, rank
         out = (torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64),
                torch.full(shape, -1.0), torch.full(shape, -1.0))
         launch_step(run_kernel, logits, bias, *rank, temperature, seed, offset, k, biased, block_v,
-                    block_b, *out)
+                    block_b, tiles, *out)
         outputs.append(out)
     return biased, outputs
 
@@ -75,7 +76,8 @@ def assert_steps_equal(got, want):
         torch.testing.assert_close(best, want_best, rtol=1e-6, atol=1e-6)
 
 
-TILES = [(512, 1), (128, 1), (64, 4), (16, 2)]  # (block_v, block_b)
+# (block_v, block_b, tiles per program): runs of 2, 3 and 4 tiles that overhang the vocabulary
+TILES = [(512, 1, 1), (128, 1, 2), (64, 4, 3), (16, 2, 4)]
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
@@ -98,7 +100,7 @@ def test_step_kernel_matches_torch(dtype, tiles, batch, with_bias):
         assert tokens[1, 0] == 7  # the greedy row's tie: the smaller id
 
 
-FUSED_TILES = [(512, 1), (64, 1), (16, 16), (64, 16)]
+FUSED_TILES = [(512, 1, 1), (64, 1, 2), (16, 16, 4), (64, 16, 3)]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 19])
