@@ -5,11 +5,8 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 (CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- seed design: ancestral_draft(fused=False): per position the bias GEMM (cuBLAS), the Gumbel-max
-  step and the pick; one proposal launch; with --tiles, one more column per step tiling
-  (block_v, block_b);
-- dspark: ancestral_draft, the bias product inside the step (markov_step: W2 read once per
-  position for all rows), at its default tiles; with --fused-tiles, one more column per tiling;
+- dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch) at
+  the step's default tiles; with --tiles, one more column per step tiling (block_v, block_b);
 - bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -17,7 +14,7 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
   and read back once, the float32 proposals written once.
 
     python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
-    python bench/drafting.py --tiles 4096x1 --fused-tiles 128x1 64x32   # also these step tilings
+    python bench/drafting.py --tiles 4096x1 2048x2             # also these step tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -63,7 +60,7 @@ def floor_bytes(batch, positions, vocab, rank) -> int:
     return markov + block * (2 + 4 + 4 + 4)
 
 
-def run(batches, positions, vocab, rank, tiles, fused_tiles, device) -> tuple[list[dict], float]:
+def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], float]:
     """Per batch size: µs of each variant (keys in table order) and the floor."""
     torch.manual_seed(0)
     head = VanillaMarkov(vocab, rank).to(device, torch.bfloat16)
@@ -79,19 +76,17 @@ def run(batches, positions, vocab, rank, tiles, fused_tiles, device) -> tuple[li
         draft_probs = torch.empty(batch, positions, vocab, device=device)
         prev_embedding = head.markov_w1(anchor)
 
-        def dspark(tiles=None, fused=True):
+        def dspark(**kwargs):
             return median_us(lambda: ancestral_draft(logits, None, head, anchor, temperature, seed,
-                                                     offset, slots, draft_probs, tiles, fused), device)
+                                                     offset, slots, draft_probs, **kwargs), device)
 
         with torch.inference_mode():
             row = {
                 "B": batch,
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
                                                            draft_probs), device),
-                "seed design": dspark(fused=False),
-                **{"seed " + "x".join(map(str, t)): dspark(t, fused=False) for t in tiles},
                 "dspark": dspark(),
-                **{"dspark " + "x".join(map(str, t)): dspark(t) for t in fused_tiles},
+                **{f"dspark {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
@@ -112,9 +107,9 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def tile_spec(text: str) -> tuple[int, ...]:
-    """'VxB' or 'VxBxN': block_v, block_b and optionally vocabulary tiles per program."""
-    return tuple(int(n) for n in text.lower().split("x"))
+def tile_pair(text: str) -> tuple[int, int]:
+    block_v, block_b = text.lower().split("x")
+    return int(block_v), int(block_b)
 
 
 def main():
@@ -124,11 +119,8 @@ def main():
     parser.add_argument("--positions", type=int, default=7)
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--rank", type=int, default=256)
-    parser.add_argument("--tiles", type=tile_spec, nargs="*", default=[], metavar="VxB[xN]",
-                        help="also time the seed design with these step tiles (block_v, block_b[, "
-                             "vocabulary tiles per program])")
-    parser.add_argument("--fused-tiles", type=tile_spec, nargs="*", default=[], metavar="VxB[xN]",
-                        help="also time dspark's fused step with these tiles")
+    parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
+                        help="also time ancestral_draft with these step tiles (block_v, block_b)")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     if args.smoke:
@@ -138,7 +130,7 @@ def main():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, batches, positions, vocab, rank = (torch.device("cuda"), args.batches,
                                                    args.positions, args.vocab, args.rank)
-    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, args.fused_tiles, device)
+    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"Drafting alone: B x {positions} x {vocab} bfloat16 logits, rank-{rank} vanilla "
               f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."

@@ -2,9 +2,8 @@
 where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
 the position's proposal for verification.
 
-Per position: the head's rank-space input u_k (markov.py), the step op with the bias u_k @ W2^T
-computed inside it (markov_step; or, with fused=False, the seed's design: the bias as a cuBLAS GEMM
-through the head, then gumbel_step), the pick op (the token, the merged statistics, the Markov
+Per position: the Markov bias (a cuBLAS GEMM through the head), the step op (Gumbel-max race and
+softmax statistics; gumbel_max.py), the pick op (the token, the merged statistics, the Markov
 embedding of the token for the next position). After the block, the proposal op writes all K
 proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
 and is captured in a CUDA graph.
@@ -15,15 +14,13 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import (STEP_TILES, gumbel_pick, gumbel_step, markov_step, markov_tiles,
-                                   rank_product)
+from dspark.ops.gumbel_max import STEP_TILES, gumbel_pick, gumbel_step
 from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
-                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, ...] | None = None,
-                    fused: bool = True) -> Tensor:
+                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] = STEP_TILES) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
     logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
@@ -32,44 +29,32 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     anchor [B] int64: the token before position 0; temperature [B] float32 (0 = greedy: the argmax
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
-    tiles: the step's (block_v, block_b[, tiles]): vocabulary tokens and batch rows per tile, and
-    on the GPU vocabulary tiles per program (default: markov_tiles(B) fused, STEP_TILES otherwise); fused: the bias product inside the step (the
-    bias in float32) or a GEMM before it (the bias in the head's dtype).
+    tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program.
     """
     batch, positions, vocab = logits.shape
-    fused = fused and head is not None
-    tiles = tiles or (markov_tiles(batch) if fused else STEP_TILES)
     biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
     stat_max = logits.new_empty((batch, positions), dtype=torch.float32)
     stat_sum = torch.empty_like(stat_max)
 
-    table = prev = state = None
+    table = prev = state = bias = None
     if head is not None:
         table = head.markov_w1.weight
         prev = head.markov_w1(anchor)
         state = head.initial_state(batch)
     for k in range(positions):
-        args = (temperature, seed, offset, k, biased, *tiles)
-        if head is None:
-            winners = gumbel_step(logits, None, *args)
-        else:
-            u, state = head.rank_input(prev, None if hidden is None else hidden[:, k], state)
-            if fused:
-                winners = markov_step(logits, u.contiguous(), head.markov_w2.weight, *args)
-            else:
-                winners = gumbel_step(logits, head.markov_w2(u), *args)
+        if head is not None:
+            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
+        winners = gumbel_step(logits, bias, temperature, seed, offset, k, biased, *tiles)
         prev = gumbel_pick(*winners, table, k, tokens, stat_max, stat_sum)
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, draft_probs)
     return tokens
 
 
 def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
-    """The argmax chain: position k takes argmax(base_k + u_k @ W2^T) with the bias in float32,
-    smallest id on ties, NaN logits counting as 0. These are the tokens ancestral_draft (fused)
-    draws for greedy rows: on the CPU exactly, on the GPU up to float32 summation order in the bias.
-    A batch of greedy requests needs nothing more (no noise, no proposals: greedy verification
-    reads none).
+    """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
+    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows; a batch of
+    greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
 
     logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.
     """
@@ -82,8 +67,8 @@ def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | No
         biased = logits[:, k].float()
         biased = biased.masked_fill(biased.isnan(), 0.0)
         if head is not None:
-            u, state = head.rank_input(prev, None if hidden is None else hidden[:, k], state)
-            biased = biased + rank_product(u, head.markov_w2.weight)
+            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
+            biased = biased + bias.float()
         token = biased.argmax(dim=-1)
         if head is not None:
             prev = head.markov_w1(token)

@@ -10,8 +10,8 @@ Parameter names are DeepSpec's (`markov_head.markov_w1.weight` [V, r], `markov_w
            with s_0 = 0
 
 h_k is the drafter's final hidden state at block position k and x_{-1} the anchor. Drafting steps a
-head one position at a time through `rank_input` (u_k, the vector W2 maps to bias_k), with
-W1[x_{k-1}] already gathered (the pick op does it for the token it draws); training runs `forward` over whole teacher-forced blocks.
+head one position at a time through `bias`, with W1[x_{k-1}] already gathered (the pick op does it
+for the token it draws); training runs `forward` over whole teacher-forced blocks.
 """
 from __future__ import annotations
 
@@ -31,18 +31,11 @@ class VanillaMarkov(nn.Module):
     def initial_state(self, batch_size: int) -> Tensor | None:
         return None
 
-    def rank_input(self, prev_embedding: Tensor, hidden: Tensor | None,
-                   state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """prev_embedding [..., r] = markov_w1[previous token], hidden [..., d] -> (u [..., r], the
-        next state): the vector markov_w2 maps to the bias. Drafting multiplies it by W2 inside the
-        step op (dspark.ops.gumbel_max.markov_step)."""
-        return prev_embedding, state
-
     def bias(self, prev_embedding: Tensor, hidden: Tensor | None,
              state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """(bias [..., V] in the weights' dtype, next state) for the inputs of `rank_input`."""
-        u, state = self.rank_input(prev_embedding, hidden, state)
-        return self.markov_w2(u), state
+        """prev_embedding [..., r] = markov_w1[previous token], hidden [..., d] ->
+        (bias [..., V] in the weights' dtype, next state)."""
+        return self.markov_w2(prev_embedding), state
 
     def forward(self, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
         """Teacher-forced bias of whole blocks: prev_tokens [N, K], hidden [N, K, d] -> [N, K, V].
@@ -55,9 +48,9 @@ class GatedMarkov(VanillaMarkov):
         super().__init__(vocab_size, rank)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def rank_input(self, prev_embedding, hidden, state):
+    def bias(self, prev_embedding, hidden, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embedding], dim=-1)))
-        return gate * prev_embedding, state
+        return self.markov_w2(gate * prev_embedding), state
 
 
 class RNNMarkov(VanillaMarkov):
@@ -68,12 +61,12 @@ class RNNMarkov(VanillaMarkov):
     def initial_state(self, batch_size: int) -> Tensor:
         return self.markov_w1.weight.new_zeros(batch_size, self.rank)
 
-    def rank_input(self, prev_embedding, hidden, state):
+    def bias(self, prev_embedding, hidden, state):
         gate, candidate, out = self.joint_proj(
             torch.cat([state, prev_embedding, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return torch.tanh(out), state
+        return self.markov_w2(torch.tanh(out)), state
 
     def forward(self, prev_tokens, hidden):
         """Unrolls the state over each block, as drafting does."""

@@ -11,21 +11,15 @@ m + log(max_v exp(x_v - m) / e_v), so that tiles compare. The noise of a token d
 (seed, offset, position, token id): the draw does not depend on the tiling, but for float32
 rounding of near ties (a ratio is rounded relative to its tile's max). Ties go to the smallest id.
 
-Two step ops add the Markov bias. gumbel_step takes it precomputed (the seed's design: a cuBLAS GEMM
-through the head before the step; one program per row tile and vocabulary tile). markov_step
-computes it inside the step as u @ W2^T, u the head's rank-space input: the programs of one
-vocabulary tile (one per row tile) run side by side, so W2 crosses the memory bus about once per
-position and the bias never goes through memory. Both write the biased float32 logits (for
-the proposal op) and return every tile's winner and statistics. The pick op reduces them to the
-token, merges the statistics into one (max, sum) per (row, position) and gathers the next Markov
-embedding.
+The Markov bias is a cuBLAS GEMM through the head before the step (the seed's design); the step
+adds it, writes the biased float32 logits (for the proposal op) and returns every tile's winner and
+statistics. The pick op reduces them to the token, merges the statistics into one (max, sum) per
+(row, position) and gathers the next Markov embedding.
 
 Greedy rows (T = 0) take the argmax of the biased logits, without noise. NaN base logits (CUDA-graph
 padding rows) count as 0, so such a row draws from the bias alone.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +31,7 @@ from torch.library import triton_op, wrap_triton
 from dspark.ops.checks import check_rows
 from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
 
-STEP_TILES = (1024, 1)  # (block_v, block_b) of the unfused step: one row per program
-
-
-def markov_tiles(batch: int) -> tuple[int, int]:
-    """Default (block_v, block_b) of the fused step: a GEMV for one row, tensor cores (16 rows at
-    least) from two rows on."""
-    return (32, 1) if batch == 1 else (64, 16)
+STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
 
 
 def num_chunks(vocab_size: int, block_v: int) -> int:
@@ -54,133 +42,60 @@ def num_chunks(vocab_size: int, block_v: int) -> int:
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _load_tile(logits_ptr, bias_ptr, w2_ptr, rows, is_row, tile, k, vocab_size, logits_row_stride,
-               logits_pos_stride, BIAS: tl.constexpr, RANK: tl.constexpr, BLOCK_V: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """What a vocabulary tile reads from memory: the base logits [BLOCK_B, BLOCK_V] and, by BIAS,
-    the bias tile [BLOCK_B, BLOCK_V] or the w2 tile [BLOCK_V, BLOCK_R] (else the base again)."""
-    tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_vocab = tokens < vocab_size
-    inside = is_row[:, None] & in_vocab[None, :]
-    row64 = rows.to(tl.int64)[:, None]
-    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
-                   mask=inside, other=0.0)
-    if BIAS == 1:
-        extra = tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside, other=0.0)
-    elif BIAS == 2:
-        ranks = tl.arange(0, BLOCK_R)
-        w_mask = in_vocab[:, None]
-        if RANK < BLOCK_R:
-            w_mask &= (ranks < RANK)[None, :]
-        extra = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * RANK + ranks[None, :], mask=w_mask,
-                        other=0.0)
-    else:
-        extra = base
-    return base, extra
-
-
-@triton.jit
-def _step_kernel(logits_ptr, bias_ptr, u_ptr, w2_ptr, temperature_ptr, seed_ptr, offset_ptr,
-                 biased_ptr, best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream,
-                 batch, vocab_size, num_tiles, num_positions, logits_row_stride, logits_pos_stride,
-                 BIAS: tl.constexpr, RANK: tl.constexpr, BLOCK_B: tl.constexpr,
-                 BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, TILES: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One program per (row tile, run of TILES vocabulary tiles), row tiles fastest: the programs
-    that share vocabulary tiles run side by side. Each tile's reads are issued before the previous
-    tile's arithmetic (a register double buffer), so the memory stream does not wait on the noise.
-    BIAS: 0 none, 1 a bias [B, V], 2 the product u @ w2^T with u [B, RANK], w2 [V, RANK]
-    contiguous (w2 comes from memory once, then from L2). RANK is a constant so that a power-of-two
-    rank loads without a mask along it, 16 bytes at a time."""
+def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, biased_ptr, best_ptr,
+                 index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream, batch, vocab_size,
+                 num_positions, logits_row_stride, logits_pos_stride, HAS_BIAS: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per (row tile, vocabulary tile)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    tile = tl.program_id(1)
+    tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     is_row = rows < batch
+    inside = is_row[:, None] & (tokens < vocab_size)[None, :]
     row64 = rows.to(tl.int64)[:, None]
+
+    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
+                   mask=inside, other=0.0).to(tl.float32)
+    biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
+    if HAS_BIAS:
+        biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
+                          other=0.0).to(tl.float32)
+    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
+             mask=inside)
+
     temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
     greedy = temperature == 0.0
     inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
+    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
+    m = tl.max(x, 1)
+    p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+
+    counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
+    streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
-    if BIAS == 2:
-        ranks = tl.arange(0, BLOCK_R)
-        u_mask = is_row[:, None]
-        if RANK < BLOCK_R:
-            u_mask &= (ranks < RANK)[None, :]
-        u = tl.load(u_ptr + row64 * RANK + ranks[None, :], mask=u_mask, other=0.0)
+    e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
+    score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
+    best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
+    best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
 
-    first = tl.program_id(1) * TILES
-    base, extra = _load_tile(logits_ptr, bias_ptr, w2_ptr, rows, is_row, first, k, vocab_size,
-                             logits_row_stride, logits_pos_stride, BIAS, RANK, BLOCK_V, BLOCK_R)
-    for i in range(TILES):
-        tile = first + i
-        next_base, next_extra = _load_tile(  # masked off past the run's last tile
-            logits_ptr, bias_ptr, w2_ptr, rows, is_row & (i + 1 < TILES), tile + 1, k, vocab_size,
-            logits_row_stride, logits_pos_stride, BIAS, RANK, BLOCK_V, BLOCK_R)
-        tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        inside = is_row[:, None] & (tokens < vocab_size)[None, :]
-        base = base.to(tl.float32)
-        biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-        if BIAS == 1:
-            biased += extra.to(tl.float32)
-        elif BIAS == 2:
-            if BLOCK_B == 1:  # a GEMV: [V, r] * [1, r] summed over r
-                product = tl.sum(extra.to(tl.float32) * u.to(tl.float32), 1)[None, :]
-            else:  # tensor cores; the select keeps Triton from folding `biased` into the
-                # accumulator, which would change the float32 rounding of the sum
-                product = tl.where(inside, tl.dot(u, tl.trans(extra), input_precision=DOT_PRECISION),
-                                   0.0)
-            biased += product
-        tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
-                 mask=inside)
-
-        x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # as proposal.py scales
-        m = tl.max(x, 1)
-        p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
-        streams = counters * 0 + philox_stream  # a tensor: Triton would specialize the int
-        e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-        score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
-        best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
-        best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
-
-        out = rows * num_tiles + tile
-        is_out = is_row & (tile < num_tiles)
-        tl.store(best_ptr + out, best, mask=is_out)
-        tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_out)
-        tl.store(chunk_max_ptr + out, m, mask=is_out)
-        tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_out)
-        base, extra = next_base, next_extra
+    out = rows * tl.num_programs(1) + tile
+    tl.store(best_ptr + out, best, mask=is_row)
+    tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
+    tl.store(chunk_max_ptr + out, m, mask=is_row)
+    tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def tiles_per_program(device: torch.device, batch: int, vocab: int, block_v: int, block_b: int) -> int:
-    """Vocabulary tiles per step program on a GPU: enough programs for about 4 per multiprocessor."""
-    programs = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    row_tiles = triton.cdiv(batch, block_b)
-    return max(1, round(num_chunks(vocab, block_v) * row_tiles / programs))
-
-
-def launch_step(wrap, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b,
-                tiles, best, index, chunk_max, chunk_sum):
-    """Runs the step kernel over runs of `tiles` vocabulary tiles; `wrap` is
-    torch.library.wrap_triton inside the ops (identity in interpreter tests). Give a bias [B, V],
-    or u [B, r] and w2 [V, r], or neither."""
+def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_v, block_b, best,
+                index, chunk_max, chunk_sum):
+    """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
+    interpreter tests). bias: [B, V] or None."""
     batch, positions, vocab = logits.shape
-    rank = 0 if w2 is None else w2.shape[1]
-    block_r = max(16, triton.next_power_of_2(rank))  # tensor cores multiply 16 deep at least
-    values = block_b * block_v + (block_v * block_r if w2 is not None and block_b == 1 else 0)
-    chunks = num_chunks(vocab, block_v)
-    wrap(_step_kernel)[(triton.cdiv(batch, block_b), triton.cdiv(chunks, tiles))](
-        logits, logits if bias is None else bias, logits if u is None else u,
-        logits if w2 is None else w2, temperature, seed, offset, biased, best, index, chunk_max,
-        chunk_sum, k, STREAM_DRAFT + k, batch, vocab, chunks, positions, logits.stride(0),
-        logits.stride(1), BIAS=2 if w2 is not None else 1 if bias is not None else 0, RANK=rank,
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=block_r, TILES=tiles,
-        # float32 weights multiply exactly ("ieee", not tf32); bfloat16 ones ignore the setting
-        DOT_PRECISION="ieee", num_warps=4 if values <= 4096 else 8)
+    wrap(_step_kernel)[(triton.cdiv(batch, block_b), num_chunks(vocab, block_v))](
+        logits, logits if bias is None else bias, temperature, seed, offset, biased, best, index,
+        chunk_max, chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
+        logits.stride(1), HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_V=block_v,
+        num_warps=4 if block_b * block_v <= 4096 else 8)
 
 
 def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
@@ -210,27 +125,11 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: T
     return best, index + block_v * torch.arange(chunks, device=logits.device), m, p.sum(-1)
 
 
-def rank_product(u: Tensor, w2: Tensor) -> Tensor:
-    """The Markov bias of the fused step as the CPU computes it: u @ w2^T in float32 [B, V]."""
-    return u.float() @ w2.float().T
-
-
-def _launch(logits, bias, u, w2, temperature, seed, offset, k, biased, block_v, block_b, tiles):
-    batch, _, vocab = logits.shape
-    shape = (batch, num_chunks(vocab, block_v))
-    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
-    index = logits.new_empty(shape, dtype=torch.int64)
-    tiles = tiles or tiles_per_program(logits.device, batch, vocab, block_v, block_b)
-    launch_step(wrap_triton, logits, bias, u, w2, temperature, seed, offset, k, biased, block_v,
-                block_b, tiles, best, index, chunk_max, chunk_sum)
-    return best, index, chunk_max, chunk_sum
-
-
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
 def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
                 offset: Tensor, k: int, biased: Tensor, block_v: int = STEP_TILES[0],
-                block_b: int = STEP_TILES[1], tiles: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gumbel-max step of draft position k with a precomputed Markov bias (the seed's design).
+                block_b: int = STEP_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gumbel-max step of draft position k.
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
     (no Markov head); temperature [B] float32 (0 = greedy row); seed, offset [B] int64.
@@ -240,7 +139,7 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: 
     score (float32) and token id (int64), and the tile's softmax statistics of x = biased / T, its
     max and sum of exp(x - max) (float32).
     """
-    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b, tiles)
+    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
     if bias is not None and (bias.shape != (logits.shape[0], logits.shape[-1])
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{logits.shape[0]}, {logits.shape[-1]}], "
@@ -248,34 +147,15 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: 
     if logits.device.type == "cpu":
         return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
                           k, biased, block_v)
-    return _launch(logits, bias, None, None, temperature, seed, offset, k, biased, block_v, block_b,
-                   tiles)
+    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
+    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    index = logits.new_empty(shape, dtype=torch.int64)
+    launch_step(wrap_triton, logits, bias, temperature, seed, offset, k, biased, block_v, block_b,
+                best, index, chunk_max, chunk_sum)
+    return best, index, chunk_max, chunk_sum
 
 
-@triton_op("dspark::markov_step", mutates_args=("biased",))
-def markov_step(logits: Tensor, u: Tensor, w2: Tensor, temperature: Tensor, seed: Tensor,
-                offset: Tensor, k: int, biased: Tensor, block_v: int, block_b: int, tiles: int = 0
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """gumbel_step with the Markov bias u @ w2^T computed inside the step, in float32 (FMAs for
-    block_b = 1, tensor cores for block_b >= 16): the programs of one vocabulary tile run side by
-    side, so its rows of w2 cross the memory bus once for all B rows. u [B, r] (the head's rank-space input, e.g. markov_w1[previous token]) and w2 [V, r]
-    (markov_w2.weight), contiguous, of one dtype. Same outputs as gumbel_step."""
-    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b, tiles)
-    batch, _, vocab = logits.shape
-    if (u.dim() != 2 or w2.dim() != 2 or u.shape[0] != batch or w2.shape != (vocab, u.shape[1])
-            or u.dtype != w2.dtype or not (u.is_contiguous() and w2.is_contiguous())):
-        raise ValueError(f"u and w2 must be contiguous [{batch}, r] and [{vocab}, r] of one dtype, "
-                         f"got {u.dtype} {tuple(u.shape)} and {w2.dtype} {tuple(w2.shape)}")
-    if 1 < block_b < 16 or (block_b >= 16 and block_v < 16):
-        raise ValueError(f"the fused step takes block_b = 1 (FMA) or block_b >= 16 with "
-                         f"block_v >= 16 (tensor cores), got block_b={block_b}, block_v={block_v}")
-    if logits.device.type == "cpu":
-        return step_torch(logits, rank_product(u, w2), temperature, seed, offset, k, biased, block_v)
-    return _launch(logits, None, u, w2, temperature, seed, offset, k, biased, block_v, block_b,
-                   tiles)
-
-
-def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b, tiles):
+def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [B, K, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
@@ -288,8 +168,6 @@ def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b, 
     if block_v < 4 or block_v & (block_v - 1) or block_b < 1 or block_b & (block_b - 1):
         raise ValueError(f"block_v (at least 4) and block_b must be powers of two, got {block_v}, "
                          f"{block_b}")
-    if tiles < 0:
-        raise ValueError(f"tiles (vocabulary tiles per program; 0: automatic) must be >= 0, got {tiles}")
     check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
                offset=(offset, torch.int64))
 
