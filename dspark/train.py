@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -156,53 +157,67 @@ class Stats:
                 "al_estimate": 1 + (self.survive / count).sum().item()}
 
 
-def block_views(batch: Batch, target_logits: torch.Tensor, block_size: int):
+def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per slot of every block: the label x_{p+k+1}, the token before it x_{p+k} (teacher forcing)
-    and the target's distribution there (softmax of its logits at p+k, T=1).
-
-    target_logits: [B, S, V] -> labels, prev [B, N, K], target_probs [B, N, K, V]
-    """
+    and the position p+k, where the target's logits give the slot's distribution -> each [B, N, K]."""
     length = batch.tokens.shape[1]
     at = (batch.anchors[..., None] + torch.arange(block_size, device=batch.anchors.device)).clamp_max(length - 1)
     flat = at.flatten(1)  # [B, N*K]
     prev = batch.tokens.gather(1, flat).view_as(at)
     labels = batch.tokens.gather(1, (flat + 1).clamp_max(length - 1)).view_as(at)
-    vocab = target_logits.shape[-1]
-    logits = target_logits.gather(1, flat[..., None].expand(-1, -1, vocab)).view(*at.shape, vocab)
-    return labels, prev, logits.softmax(-1)
+    return labels, prev, at
+
+
+def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
+                labels: torch.Tensor, target_logits: torch.Tensor, at: torch.Tensor, ce_weight: float,
+                tv_weight: float, confidence_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
+    BCE(confidence, 1 - TV), and the acceptance estimate 1 - TV. One function of tensors, so that
+    torch.compile fuses its passes over the vocabulary (train_step compiles it on the GPU).
+
+    logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
+    confidence: [B, N, K] logits or None; labels, at: [B, N, K]; target_logits: [B, S, V]
+    -> terms, accept [B, N, K] float32
+    """
+    logits = logits.float() if bias is None else logits.float() + bias.float()
+    log_q = logits.log_softmax(-1)
+    rows = torch.arange(at.shape[0], device=at.device)[:, None, None]
+    target_probs = target_logits[rows, at].float().softmax(-1)  # T = 1
+    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
+    tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
+    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
+    terms = ce_weight * ce + tv_weight * tv
+    if confidence is not None:
+        terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
+            confidence.float(), accept, reduction="none")
+    return terms, accept
 
 
 def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, labels: torch.Tensor,
-                prev: torch.Tensor, target_probs: torch.Tensor, config: TrainConfig) -> tuple[torch.Tensor, Stats]:
-    """DeepSpec's loss for one drafter: weighted CE + TV + confidence BCE over the valid slots.
+                prev: torch.Tensor, at: torch.Tensor, target_logits: torch.Tensor, config: TrainConfig,
+                losses: Callable = slot_losses) -> tuple[torch.Tensor, Stats]:
+    """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
+    weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it.
 
-    features: [B, S, m * hidden]; labels, prev: [B, N, K]; target_probs: [B, N, K, V]
+    features: [B, S, m * hidden]; labels, prev, at: [B, N, K]; target_logits: [B, S, V]
     """
-    block_size = drafter.block_size
     base, hidden = drafter.forward_train(features, batch.tokens, batch.anchors)  # [B, N, K, V], [B, N, K, d]
-    rows = prev.flatten(0, 1)  # [B*N, K]
-    hidden = hidden.flatten(0, 1)
     head = drafter.markov_head
-    logits = base.flatten(0, 1)
-    if head is not None:
-        logits = logits + head(rows, hidden).float()
-    log_q = logits.log_softmax(-1)  # [B*N, K, V]
-    ce = -log_q.gather(-1, labels.flatten(0, 1)[..., None]).squeeze(-1)
-    tv = 0.5 * (log_q.exp() - target_probs.flatten(0, 1)).abs().sum(-1)
-    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
-    loss_terms = config.ce_weight * ce + config.tv_weight * tv
+    bias = None if head is None else head(prev.flatten(0, 1), hidden.flatten(0, 1)).view_as(base)
+    confidence = None
     if drafter.confidence_head is not None:
-        prev_embedding = head.markov_w1(rows) if head is not None and drafter.confidence_head.markov_rank else None
-        confidence = drafter.confidence(hidden, prev_embedding).float()
-        loss_terms = loss_terms + config.confidence_weight * F.binary_cross_entropy_with_logits(
-            confidence, accept, reduction="none")
+        prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
+        confidence = drafter.confidence(hidden, prev_embedding)
+    terms, accept = losses(base, bias, confidence, labels, target_logits, at, config.ce_weight,
+                           config.tv_weight, config.confidence_weight)
 
-    valid = batch.valid.flatten(0, 1)
-    decay = torch.exp(-torch.arange(block_size, device=valid.device) / config.decay_gamma)
+    valid = batch.valid
+    decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
     weights = decay * valid
-    loss = (weights * loss_terms).sum() / weights.sum().clamp_min(1e-6)
+    loss = (weights * terms).sum() / weights.sum().clamp_min(1e-6)
     survive = torch.cumprod(accept, dim=-1)
-    stats = Stats(loss.item(), (accept * valid).sum(0).cpu(), (survive * valid).sum(0).cpu(), valid.sum(0).cpu(), 1)
+    stats = Stats(loss.item(), (accept * valid).sum((0, 1)).cpu(), (survive * valid).sum((0, 1)).cpu(),
+                  valid.sum((0, 1)).cpu(), 1)
     return loss, stats
 
 
@@ -258,19 +273,30 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig) -> list[Stats]:
+@functools.cache
+def compiled_slot_losses() -> Callable:
+    """slot_losses compiled once per process, for any batch, sequence length and block count."""
+    return torch.compile(slot_losses, dynamic=True)
+
+
+def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
+               losses: Callable | None = None) -> list[Stats]:
+    """One optimizer step of every student on `batch`; `losses`: slot_losses or a compiled copy
+    (default: compiled on the GPU, eager on the CPU)."""
     device = target.embed_tokens.weight.device
     layer_ids = students[0].drafter.config.target_layer_ids
     block_size = students[0].drafter.block_size
+    if losses is None:
+        losses = compiled_slot_losses() if device.type == "cuda" else slot_losses
     with torch.no_grad(), autocast(device):
         positions = torch.arange(batch.tokens.shape[1], device=device).expand_as(batch.tokens)
         target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids)
-        labels, prev, target_probs = block_views(batch, target_logits, block_size)
-        del target_logits
+        labels, prev, at = block_views(batch, block_size)
     stats = []
     for student in students:
         with autocast(device):
-            loss, step_stats = dspark_loss(student.drafter, features, batch, labels, prev, target_probs, config)
+            loss, step_stats = dspark_loss(student.drafter, features, batch, labels, prev, at,
+                                           target_logits, config, losses)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
         student.optimizer.step()

@@ -242,3 +242,23 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     assert done and resumed == whole
     assert answered == [2, 3, 1]  # two from the cache, then the rest in batches
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
+
+
+def test_compiled_slot_losses_equal_the_eager_ones():
+    """train_step compiles slot_losses on the GPU: the compiled function gives the eager terms,
+    acceptance and gradients (Inductor on the CPU; two block counts, one compilation)."""
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(training.slot_losses, dynamic=True)
+    for blocks in (3, 5):
+        logits = torch.randn(2, blocks, 4, 50, generator=g, requires_grad=True)
+        bias = torch.randn(2, blocks, 4, 50, generator=g, requires_grad=True)
+        confidence = torch.randn(2, blocks, 4, generator=g, requires_grad=True)
+        labels = torch.randint(0, 50, (2, blocks, 4), generator=g)
+        target_logits, at = torch.randn(2, 9, 50, generator=g), torch.randint(0, 9, (2, blocks, 4), generator=g)
+        results = []
+        for losses in (training.slot_losses, compiled):
+            terms, accept = losses(logits, bias, confidence, labels, target_logits, at, 0.1, 0.9, 1.0)
+            grads = torch.autograd.grad(terms.sum(), (logits, bias, confidence))
+            results.append((terms, accept, *grads))
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,105 @@
+"""Training speed: optimizer steps per second of `dspark.train.train_step` on the default recipe's
+shapes, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) eager and compiled.
+
+A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
+weights), the default drafter and its rank-0 twin, batches of random sequences shaped like the
+self-distilled data (a 200-token prompt and a 192-token response). Both variants run in one process
+on the same batches; each is warmed up (the compiled one compiles there), then timed over --steps
+steps with a device synchronisation at both ends.
+
+    python bench/train_step.py                  # GPU
+    python bench/train_step.py --smoke          # CPU, tiny shapes: checks that it runs
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import time
+
+import torch
+import triton
+
+from dspark.config import TargetConfig
+from dspark.data import Sequence
+from dspark.target import TargetModel
+from dspark.train import (Batch, TrainConfig, compiled_slot_losses, default_drafter_config, make_batch,
+                          make_student, slot_losses, train_step)
+from timing import emit_table
+
+SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                            max_position_embeddings=8192, tie_word_embeddings=True)
+TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
+
+
+def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int) -> list[Sequence]:
+    g = torch.Generator().manual_seed(0)
+    return [Sequence(torch.randint(0, vocab, (prompt_len + response_len,), generator=g).tolist(), prompt_len)
+            for _ in range(count)]
+
+
+def steps_per_second(target, sequences, recipe, losses, steps, warmup, device) -> float:
+    students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe),
+                make_student("drafter-rank0", target, default_drafter_config(target.config, 16, markov_rank=0),
+                             recipe)]
+    block_size = students[0].drafter.block_size
+
+    def run(step):
+        batch = make_batch(sequences, step, recipe, block_size)
+        train_step(target, students, Batch(*(t.to(device) for t in (batch.tokens, batch.anchors, batch.valid))),
+                   recipe, losses)
+
+    for step in range(warmup):
+        run(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    for step in range(warmup, warmup + steps):
+        run(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return steps / (time.perf_counter() - began)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[TrainConfig.batch_size],
+                        help="sequences per step (default: the recipe's)")
+    parser.add_argument("--out", help="also write the table as markdown here")
+    args = parser.parse_args()
+    recipe, batch_sizes = TrainConfig(), args.batch_sizes
+    if args.smoke:
+        device, config, shapes, steps, warmup = torch.device("cpu"), TINY, (24, 40), 2, 1
+        recipe.num_anchors, batch_sizes = 8, [2]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
+        device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2_135M, (200, 192), args.steps, 5
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = TargetModel(config).to(device, dtype).eval().requires_grad_(False)
+    rows = []
+    for batch_size in batch_sizes:
+        recipe = dataclasses.replace(recipe, batch_size=batch_size)
+        sequences = random_sequences(4 * batch_size, config.vocab_size, *shapes)
+        for name, losses in (("eager", slot_losses), ("compiled", compiled_slot_losses())):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            rate = steps_per_second(target, sequences, recipe, losses, steps, warmup, device)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
+                        f"| {peak:.1f} |")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    header = (f"train_step: B sequences x {recipe.num_anchors} blocks per step "
+              f"(prompt {shapes[0]}, response {shapes[1]} tokens), drafter + rank-0 twin, {steps} steps "
+              f"after {warmup} warm-up.\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"{datetime.date.today()}.\n")
+    emit_table([header, "| B | loss | ms / step | steps / s | sequences / s | peak GiB |",
+                "|---|---|---|---|---|---|", *rows], args.out)
+
+
+if __name__ == "__main__":
+    main()
