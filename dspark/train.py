@@ -106,14 +106,16 @@ class Batch:
     valid: torch.Tensor  # [B, N, K] bool: slot k of block n has a label in the response
 
 
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_sequences: int, seed: int, epoch: int) -> list[int]:
+    """The seeded permutation of the sequences in `epoch` (kept for the steps that read it)."""
+    return torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
 def batch_indices(num_sequences: int, batch_size: int, step: int, seed: int) -> list[int]:
     """The sequences of `step`: consecutive slices of one seeded permutation per epoch."""
-    indices = []
-    for i in range(step * batch_size, (step + 1) * batch_size):
-        epoch, position = divmod(i, num_sequences)
-        order = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        indices.append(int(order[position]))
-    return indices
+    return [epoch_order(num_sequences, seed, i // num_sequences)[i % num_sequences]
+            for i in range(step * batch_size, (step + 1) * batch_size)]
 
 
 def make_batch(sequences: list[Sequence], step: int, config: TrainConfig, block_size: int) -> Batch:
