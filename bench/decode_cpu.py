@@ -41,13 +41,13 @@ def dspark_runner(decoder: SpeculativeDecoder, params: SamplingParams):
     return run
 
 
-def transformers_runner(n_tokens: int):
+def transformers_runner(n_tokens: int, dtype: torch.dtype):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         return None
     path = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
 
     def run(prompt):
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
@@ -61,14 +61,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="passes over all decoders, interleaved")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations of every decoder (the GGUF is dequantized to it)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    target, drafter, tokenizer = load_default()
+    dtype = getattr(torch, args.dtype)
+    target, drafter, tokenizer = load_default(dtype=dtype)
     prompts = render(tokenizer, heldout_prompts()[:args.prompts])
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     plain = SpeculativeDecoder(target, None)
-    runners = {"transformers generate, greedy": transformers_runner(args.tokens),
+    runners = {"transformers generate, greedy": transformers_runner(args.tokens, dtype),
                "dspark K=0, greedy": dspark_runner(plain, greedy),
                "dspark K=0, T=1": dspark_runner(plain, sampled)}
     for method in ("standard", "block"):
@@ -86,7 +89,7 @@ def main() -> None:
                 m.rates.append(tokens / (time.perf_counter() - began))
                 m.tokens, m.steps = m.tokens + tokens - 1, m.steps + steps
     lines = [f"{datetime.date.today()}, {platform.machine()} CPU, {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__}; SmolLM2-135M-Instruct Q4_1 GGUF dequantized to float32; batch 1, "
+             f"torch {torch.__version__}; SmolLM2-135M-Instruct Q4_1 GGUF dequantized to {args.dtype}; batch 1, "
              f"{args.tokens} new tokens per held-out prompt, {args.prompts} prompts x {args.rounds} rounds",
              "", "| decoder | tokens/s (median) | tokens/s (quartiles) | tokens/step |", "|---|---|---|---|"]
     for name in runners:

@@ -13,7 +13,7 @@ import torch
 
 from dspark.checkpoint import load_drafter
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.loading import load_default, load_target
+from dspark.loading import fast_dtype, load_default, load_target
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -39,13 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
 
 def load_models(args):
-    dtype = DTYPES[args.dtype]
+    dtype = fast_dtype(args.device) if args.dtype == "auto" else DTYPES[args.dtype]
     if args.model is None:
         target, drafter, tokenizer = load_default(dtype=dtype, device=args.device)
     else:

@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from dspark.config import TargetConfig
-from dspark.loading import load_target
+from dspark.loading import fast_dtype, load_target
 from dspark.target import TargetModel
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -285,3 +285,11 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
     loaded = load_target(tmp_path / "m")
     assert (loaded.config.rope_theta, loaded.config.rope_scaling) == (500000.0, LLAMA3_SCALING)
     torch.testing.assert_close(logits_of(loaded), logits_of(model), atol=0, rtol=0)
+
+
+def test_fast_dtype_is_bfloat16_on_cuda_and_on_cpus_with_bfloat16_kernels(monkeypatch):
+    assert fast_dtype("cuda") is torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert fast_dtype("cpu") is torch.bfloat16
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert fast_dtype("cpu") is torch.float32
