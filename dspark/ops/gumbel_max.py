@@ -75,7 +75,7 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
     e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None], tl.where(inside, biased, float("-inf")), p / e)
+    score = tl.where(greedy[:, None], x, p / e)  # x = biased (or -inf outside) for greedy rows
     best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
     best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
 

@@ -10,8 +10,11 @@ rank. A single draw per (stream, request), such as an acceptance uniform, is tok
 counter 0.
 
 `uniform` maps a word to (0, 1) with full resolution near 0; `exponential` maps a uniform to
-Exp(1) as -log(1 - u), computed so that small values (u -> 0, the winning tail of an exponential race
-argmax_v w_v / e_v) keep that resolution.
+Exp(1) as -log(1 - u) to a few float32 ulps, small values included (u -> 0, the winning tail of an
+exponential race argmax_v w_v / e_v): log(v) = k log 2 + 2 atanh((m - 1) / (m + 1)) for
+v = m 2^k with m in [0.75, 1.5), or, for u < 1/4, -log(1 - u) = 2 atanh(u / (2 - u)) without
+rounding 1 - u; atanh as its odd series to s^9 (|s| <= 0.2: truncation below 1e-8). That is a third
+of the instructions of a library log, and the drafting step is bound by its arithmetic.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ N_ROUNDS = 10
 U32 = 0xFFFFFFFF
 TWO_POW_M32 = 2.0 ** -32
 U_MAX = 1.0 - 2.0 ** -24  # largest uniform, so log(1 - u) stays finite
-SERIES_BELOW = 2.0 ** -12  # below it, -log(1 - u) = u + u^2 / 2 to float32 precision
+LN2 = 0.6931471805599453
+M_LOW_BITS = 0x3F400000  # float32 0.75: mantissas are brought into [0.75, 1.5)
 
 # Streams: the high bits of counter word 1. The low 16 bits carry a position.
 STREAM_DRAFT = 0 << 16  # noise of draft position k
@@ -33,8 +37,8 @@ STREAM_ACCEPT = 1 << 16  # acceptance uniform of verified position i
 STREAM_TARGET = 2 << 16  # noise of the correction / bonus token at position i
 
 # Compiled Triton reads module globals only as constexprs: the kernels use these copies.
-_ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _SERIES_BELOW = (
-    tl.constexpr(c) for c in (ROUND_A, ROUND_B, KEY_A, KEY_B, N_ROUNDS, TWO_POW_M32, U_MAX, SERIES_BELOW))
+_ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _LN2, _M_LOW_BITS = (
+    tl.constexpr(c) for c in (ROUND_A, ROUND_B, KEY_A, KEY_B, N_ROUNDS, TWO_POW_M32, U_MAX, LN2, M_LOW_BITS))
 
 
 # ---------------------------------------------------------------- Triton
@@ -80,7 +84,17 @@ def uniform(word):
 
 @triton.jit
 def exponential(u):
-    return tl.where(u < _SERIES_BELOW, u + 0.5 * u * u, -tl.log(1.0 - u))
+    v = 1.0 - u
+    bits = v.to(tl.int32, bitcast=True)
+    k = (bits - _M_LOW_BITS) >> 23  # v = m 2^k, m in [0.75, 1.5)
+    m = (bits - (k << 23)).to(tl.float32, bitcast=True)
+    small = u < 0.25
+    num = tl.where(small, -u, m - 1.0)
+    den = tl.where(small, 2.0 - u, m + 1.0)
+    s = num / den
+    s2 = s * s
+    atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
+    return -(k.to(tl.float32) * _LN2 + 2.0 * atanh)  # k = 0 for u < 1/4
 
 
 @triton.jit
@@ -138,7 +152,15 @@ def uniform_torch(word: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_torch(u: torch.Tensor) -> torch.Tensor:
-    return torch.where(u < SERIES_BELOW, u + 0.5 * u * u, -torch.log(1.0 - u))
+    v = 1.0 - u
+    bits = v.view(torch.int32)
+    k = (bits - M_LOW_BITS) >> 23
+    m = (bits - (k << 23)).view(torch.float32)
+    small = u < 0.25
+    s = torch.where(small, -u, m - 1.0) / torch.where(small, 2.0 - u, m + 1.0)
+    s2 = s * s
+    atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
+    return -(k.float() * LN2 + 2.0 * atanh)  # k = 0 for u < 1/4
 
 
 def token_exponentials_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,

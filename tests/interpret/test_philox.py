@@ -77,3 +77,25 @@ def test_uniforms_stay_inside_the_open_interval_and_streams_differ():
     assert (u != other).float().mean() > 0.99
     e = philox.exponential_torch(u)
     assert torch.isfinite(e).all() and (e > 0).all() and abs(e.mean() - 1) < 0.02
+
+
+@triton.jit
+def _exponential_kernel(u_ptr, out_ptr, N: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, N), philox.exponential(tl.load(u_ptr + tl.arange(0, N))))
+
+
+def test_exponential_is_minus_log_one_minus_u_to_a_few_ulps():
+    """Over (0, U_MAX], tiny u included, both implementations are within 2.5 float32 ulps of
+    -log1p(-u) in float64; the plain float32 -log(1 - u) is not (it rounds 1 - u), so the
+    bound has power."""
+    u = torch.cat([torch.logspace(-12, -0.001, 1 << 14, dtype=torch.float64),
+                   1 - torch.logspace(-7.2, -0.3, 1 << 14, dtype=torch.float64)]).float()
+    u = u.clamp(max=philox.U_MAX)
+    want = -torch.log1p(-u.double())
+    got = torch.empty_like(u)
+    _exponential_kernel[(1,)](u, got, N=len(u))
+    bound = 2.5 * 2.0 ** -23
+    for e in (got, philox.exponential_torch(u)):
+        assert ((e.double() - want) / want).abs().max() < bound
+    naive = -torch.log(1.0 - u)
+    assert ((naive.double() - want) / want).abs().max() > bound
