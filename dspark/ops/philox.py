@@ -114,7 +114,8 @@ def single_uniform(seed, offset, stream):
 
 def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The high and low 32-bit words of a * b for a < 2**32 (int64 tensor) and a 32-bit constant b,
-    in two 48-bit partial products so nothing overflows int64."""
+    in two 48-bit partial products so nothing overflows int64 (a wrapping product would be shorter,
+    but Inductor's C++ code treats the overflow as undefined: its draws then differ from eager)."""
     lo, hi = a * (b & 0xFFFF), a * (b >> 16)
     return (hi + (lo >> 16)) >> 16, (((hi & 0xFFFF) << 16) + lo) & U32
 
