@@ -30,7 +30,8 @@ def fast_dtype(device: str | torch.device) -> torch.dtype:
     bfloat16 kernels (batch-1 decoding streams every weight once per step, and bfloat16 halves those
     bytes: on the project's 2-core CPU 1.7x for plain and 2.1x for speculative decoding, see
     docs/performance.md), float32 elsewhere. The library's loaders default to float32."""
-    if torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if torch.device(device).type == "cuda" or (torch.backends.mkldnn.is_available()
+                                               and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return torch.bfloat16
     return torch.float32
 
