@@ -23,7 +23,7 @@ import triton
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel
-from dspark.train import (Batch, TrainConfig, compiled_slot_losses, default_drafter_config, make_batch,
+from dspark.train import (TrainConfig, compiled_slot_losses, default_drafter_config, make_batch,
                           make_student, slot_losses, train_step)
 from timing import emit_table
 
@@ -46,9 +46,7 @@ def steps_per_second(target, sequences, recipe, losses, steps, warmup, device) -
     block_size = students[0].drafter.block_size
 
     def run(step):
-        batch = make_batch(sequences, step, recipe, block_size)
-        train_step(target, students, Batch(*(t.to(device) for t in (batch.tokens, batch.anchors, batch.valid))),
-                   recipe, losses)
+        train_step(target, students, make_batch(sequences, step, recipe, block_size).to(device), recipe, losses)
 
     for step in range(warmup):
         run(step)

@@ -105,6 +105,9 @@ class Batch:
     anchors: torch.Tensor  # [B, N] block anchor positions (0 for padding blocks)
     valid: torch.Tensor  # [B, N, K] bool: slot k of block n has a label in the response
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.tokens.to(device), self.anchors.to(device), self.valid.to(device))
+
 
 @functools.lru_cache(maxsize=2)
 def epoch_order(num_sequences: int, seed: int, epoch: int) -> list[int]:
@@ -391,8 +394,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             if stop is not None and stop(step):
                 bar.write(f"stopped at step {step}: continue with --resume")
                 break
-            batch = make_batch(sequences, step, config, drafter_config.block_size)
-            batch = Batch(*(t.to(device) for t in (batch.tokens, batch.anchors, batch.valid)))
+            batch = make_batch(sequences, step, config, drafter_config.block_size).to(device)
             window = [w + s for w, s in zip(window, train_step(target, students, batch, config))]
             step += 1
             bar.update(1)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from dspark.ops.checks import check_rows
 from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, single_uniform, single_uniform_torch,
                                token_exponentials, token_exponentials_torch)
 
@@ -45,8 +46,9 @@ TARGET_STREAM = tl.constexpr(STREAM_TARGET)
 # ---------------------------------------------------------------- torch
 
 def _scaled(target_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """target_logits [B, N, V], temperature [B] -> [B, N, V]: logits / T in float32, computed as logits * (1 / T) (the kernels round it the same way), with
-    NaN as -inf; greedy rows (T = 0) keep their logits."""
+    """target_logits [B, N, V], temperature [B] -> [B, N, V]: logits / T in float32, computed as
+    logits * (1 / T) (the kernels round it the same way), with NaN as -inf; greedy rows (T = 0)
+    keep their logits."""
     inverse = 1.0 / torch.where(temperature > 0, temperature, 1.0)
     scaled = target_logits.float() * inverse.view(-1, 1, 1)
     return scaled.masked_fill(scaled.isnan(), float("-inf"))
@@ -372,10 +374,8 @@ def _check_inputs(target_logits, draft_tokens, draft_probs, slots, temperature, 
     if tuple(draft_probs.shape[1:]) != (K1 - 1, V) or draft_probs.dtype != torch.float32:
         raise ValueError(f"draft_probs must be [S, {K1 - 1}, {V}] float32, got "
                          f"{tuple(draft_probs.shape)} {draft_probs.dtype}")
-    for name, x, dtype in (("slots", slots, torch.int64), ("temperature", temperature, torch.float32),
-                           ("seed", seed, torch.int64), ("offset", offset, torch.int64)):
-        if tuple(x.shape) != (B,) or x.dtype != dtype:
-            raise ValueError(f"{name} must be [{B}] {dtype}, got {tuple(x.shape)} {x.dtype}")
+    check_rows(B, slots=(slots, torch.int64), temperature=(temperature, torch.float32),
+               seed=(seed, torch.int64), offset=(offset, torch.int64))
 
 
 @torch.library.triton_op("dspark::verify", mutates_args=())
