@@ -8,7 +8,7 @@ Tokens/s is new tokens over wall time (prefill included), median (and quartiles)
 the decoder; tokens/step is the mean acceptance length (bonus token included). The decoders take
 turns, `--rounds` passes over all of them, so a slow phase of the machine does not land on one row.
 
-    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--out table.md]
+    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--out table.md]
 """
 from __future__ import annotations
 
@@ -61,23 +61,26 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="passes over all decoders, interleaved")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and activations of every decoder (the GGUF is dequantized to it)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"],
+                   help="weights and activations of the decoders (the GGUF is dequantized to it); "
+                        "several: every decoder in each, in the same rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    dtype = getattr(torch, args.dtype)
-    target, drafter, tokenizer = load_default(dtype=dtype)
-    prompts = render(tokenizer, heldout_prompts()[:args.prompts])
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
-    plain = SpeculativeDecoder(target, None)
-    runners = {"transformers generate, greedy": transformers_runner(args.tokens, dtype),
-               "dspark K=0, greedy": dspark_runner(plain, greedy),
-               "dspark K=0, T=1": dspark_runner(plain, sampled)}
-    for method in ("standard", "block"):
-        spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
-        runners[f"dspark DSpark K=7 {method}, greedy"] = dspark_runner(spec, greedy)
-        runners[f"dspark DSpark K=7 {method}, T=1"] = dspark_runner(spec, sampled)
+    runners = {}
+    for name in args.dtype:
+        dtype = getattr(torch, name)
+        target, drafter, tokenizer = load_default(dtype=dtype)
+        plain = SpeculativeDecoder(target, None)
+        runners[f"{name}: transformers generate, greedy"] = transformers_runner(args.tokens, dtype)
+        runners[f"{name}: dspark K=0, greedy"] = dspark_runner(plain, greedy)
+        runners[f"{name}: dspark K=0, T=1"] = dspark_runner(plain, sampled)
+        for method in ("standard", "block"):
+            spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
+            runners[f"{name}: dspark DSpark K=7 {method}, greedy"] = dspark_runner(spec, greedy)
+            runners[f"{name}: dspark DSpark K=7 {method}, T=1"] = dspark_runner(spec, sampled)
+    prompts = render(tokenizer, heldout_prompts()[:args.prompts])
     measured = {name: Measured() for name, run in runners.items() if run is not None}
     for name in measured:
         runners[name](prompts[0])  # warm-up
@@ -89,7 +92,7 @@ def main() -> None:
                 m.rates.append(tokens / (time.perf_counter() - began))
                 m.tokens, m.steps = m.tokens + tokens - 1, m.steps + steps
     lines = [f"{datetime.date.today()}, {platform.machine()} CPU, {torch.get_num_threads()} threads, "
-             f"torch {torch.__version__}; SmolLM2-135M-Instruct Q4_1 GGUF dequantized to {args.dtype}; batch 1, "
+             f"torch {torch.__version__}; SmolLM2-135M-Instruct Q4_1 GGUF dequantized to {' / '.join(args.dtype)}; batch 1, "
              f"{args.tokens} new tokens per held-out prompt, {args.prompts} prompts x {args.rounds} rounds",
              "", "| decoder | tokens/s (median) | tokens/s (quartiles) | tokens/step |", "|---|---|---|---|"]
     for name in runners:

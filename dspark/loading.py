@@ -28,7 +28,7 @@ DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it
 def fast_dtype(device: str | torch.device) -> torch.dtype:
     """The dtype the command-line tools run in by default: bfloat16 on CUDA and on CPUs with oneDNN
     bfloat16 kernels (batch-1 decoding streams every weight once per step, and bfloat16 halves those
-    bytes: on the project's 2-core CPU 1.7x for plain and 2.1x for speculative decoding, see
+    bytes: on the project's 2-core CPU 1.5x for plain and 1.9x for speculative decoding, see
     docs/performance.md), float32 elsewhere. The library's loaders default to float32."""
     if torch.device(device).type == "cuda" or (torch.backends.mkldnn.is_available()
                                                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
