@@ -211,14 +211,17 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
                  progress: Callable[[int], None] | None = None) -> tuple[list[Sequence], bool]:
     """Generates `responses_per_prompt` target responses to every prompt (rendered token ids; see
     response_params), `batch_size` per batch, appending each batch to the JSONL cache at `path`.
-    Before each batch `stop(number of responses so far)` may end the call; `progress(n)` hears of
-    n more responses. Returns the sequences so far and whether all are done."""
+    Batches take the prompts in order of length, so a batch's KV cache is as short as its longest
+    prompt allows and its prefill has few distinct lengths. Before each batch `stop(number of
+    responses so far)` may end the call; `progress(n)` hears of n more responses. Returns whether
+    all are done and the sequences: all of them in prompt order, or those so far."""
     if responses_per_prompt < 1:
         raise ValueError(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
     settings = {"prompts": digest, "num_prompts": len(prompts), "responses_per_prompt": responses_per_prompt,
-                "max_tokens": max_tokens, "seed": seed}
+                "max_tokens": max_tokens, "seed": seed, "order": "length"}
     prompts = [p for p in prompts for _ in range(responses_per_prompt)]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # generation order (stable)
     sequences = read_cache(path, settings)
     if progress is not None:
         progress(len(sequences))
@@ -231,13 +234,16 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
         for begin in range(len(sequences), len(prompts), batch_size):
             if stop is not None and stop(begin):
                 return sequences, False
-            batch = prompts[begin:begin + batch_size]
-            params = [response_params(begin + i, responses_per_prompt, seed, max_tokens, stop_token_ids)
-                      for i in range(len(batch))]
+            indices = order[begin:begin + batch_size]
+            batch = [prompts[i] for i in indices]
+            params = [response_params(i, responses_per_prompt, seed, max_tokens, stop_token_ids) for i in indices]
             for prompt, result in zip(batch, decoder.generate(batch, params)):
                 sequences.append(Sequence(prompt + result.tokens, len(prompt)))
                 cache.write(_cache_line(sequences[-1]))
             cache.flush()
             if progress is not None:
                 progress(len(batch))
-    return sequences, True
+    in_prompt_order = [None] * len(prompts)
+    for i, sequence in zip(order, sequences):
+        in_prompt_order[i] = sequence
+    return in_prompt_order, True

@@ -17,6 +17,9 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing; `log.jsonl` keeps them.
+Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
+answered by the target like the training prompts, never trained on) show how well the drafter
+generalizes beyond the sequences it has seen.
 
 Resumable: `OUT/checkpoint.pt` (every --save-every steps and when --time-budget-s runs out) holds
 the trainable weights, the optimizer and scheduler states and the step. The batch order and the
@@ -44,7 +47,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +56,7 @@ from tqdm import tqdm
 
 from dspark.checkpoint import save_drafter
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.data import Sequence, render, self_distill, training_prompts
+from dspark.data import Sequence, heldout_prompts, render, self_distill, training_prompts
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default_target
 from dspark.target import TargetModel
@@ -284,10 +287,11 @@ def compiled_slot_losses() -> Callable:
     return torch.compile(slot_losses, dynamic=True)
 
 
-def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
-               losses: Callable | None = None) -> list[Stats]:
-    """One optimizer step of every student on `batch`; `losses`: slot_losses or a compiled copy
-    (default: compiled on the GPU, eager on the CPU)."""
+def student_losses(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
+                   losses: Callable | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats]]:
+    """(student, loss, stats) for every student on `batch`, one student at a time, so that a caller
+    can backpropagate one loss before the next student's forward. The target runs once.
+    `losses`: slot_losses or a compiled copy (default: compiled on the GPU, eager on the CPU)."""
     device = target.embed_tokens.weight.device
     layer_ids = students[0].drafter.config.target_layer_ids
     block_size = students[0].drafter.block_size
@@ -297,11 +301,18 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
         positions = torch.arange(batch.tokens.shape[1], device=device).expand_as(batch.tokens)
         target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids)
         labels, prev, at = block_views(batch, block_size)
-    stats = []
     for student in students:
         with autocast(device):
-            loss, step_stats = dspark_loss(student.drafter, features, batch, labels, prev, at,
-                                           target_logits, config, losses)
+            loss, stats = dspark_loss(student.drafter, features, batch, labels, prev, at, target_logits, config,
+                                      losses)
+        yield student, loss, stats
+
+
+def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
+               losses: Callable | None = None) -> list[Stats]:
+    """One optimizer step of every student on `batch` (`losses`: see student_losses)."""
+    stats = []
+    for student, loss, step_stats in student_losses(target, students, batch, config, losses):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
         student.optimizer.step()
@@ -309,6 +320,25 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
         student.scheduler.step()
         stats.append(step_stats)
     return stats
+
+
+def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
+    """Fixed batches (sequences and anchors) of held-out sequences, to follow generalization."""
+    batch_size = min(config.batch_size, len(sequences))
+    config = dataclasses.replace(config, batch_size=batch_size)
+    return [make_batch(sequences, i, config, block_size) for i in range(len(sequences) // batch_size)]
+
+
+@torch.no_grad()
+def evaluate_students(target: TargetModel, students: list[Student], batches: list[Batch],
+                      config: TrainConfig) -> list[Stats]:
+    """Every student's teacher-forced loss and acceptance estimates on `batches`, without updating."""
+    device = target.embed_tokens.weight.device
+    totals = [Stats() for _ in students]
+    for batch in batches:
+        stats = [s for _, _, s in student_losses(target, students, batch.to(device), config)]
+        totals = [t + s for t, s in zip(totals, stats)]
+    return totals
 
 
 def save_checkpoint(path: Path, step: int, students: list[Student], config: TrainConfig,
@@ -369,10 +399,12 @@ class TimeBudget:
 
 def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Sequence], out: Path,
           config: TrainConfig, resume: bool = False, stop: Callable[[int], bool] | None = None,
-          save_every: int = 500, log_every: int = 10) -> list[Student]:
+          save_every: int = 500, log_every: int = 10, heldout: list[Sequence] | None = None,
+          heldout_every: int = 500) -> list[Student]:
     """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
     `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
-    `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, exports
+    `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, and the
+    estimates on the `heldout` sequences every `heldout_every` steps and at the last step; exports
     to out/<name>; returns the students."""
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
@@ -387,6 +419,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     step = load_checkpoint(checkpoint, students, config, drafter_config) if resume and checkpoint.exists() else 0
 
     device = target.embed_tokens.weight.device
+    checks = heldout_batches(heldout, config, drafter_config.block_size) if heldout else []
     window = [Stats() for _ in students]
     bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0)
     with (out / "log.jsonl").open("a") as log:
@@ -405,6 +438,12 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                                       **summaries}) + "\n")
                 log.flush()
                 window = [Stats() for _ in students]
+            if checks and (step % heldout_every == 0 or step == config.steps):
+                summaries = {s.name: h.summary() for s, h in zip(students, evaluate_students(
+                    target, students, checks, config))}
+                bar.write(f"held-out, step {step}: {progress_line(summaries)}")
+                log.write(json.dumps({"step": step, "heldout": summaries}) + "\n")
+                log.flush()
             if step % save_every == 0:
                 save_checkpoint(checkpoint, step, students, config, drafter_config)
     bar.close()
@@ -444,11 +483,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     p.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     p.add_argument("--gen-batch-size", type=int, default=256, help="prompts per generation batch")
+    p.add_argument("--heldout-prompts", type=int, default=None,
+                   help="held-out prompts (answered twice, never trained on) whose teacher-forced estimates "
+                        "are logged (default: all; 0: none)")
+    p.add_argument("--heldout-every", type=int, default=500, help="held-out estimate interval in steps")
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
         args.steps, args.batch_size, args.num_anchors, args.save_every, args.log_every = 4, 2, 8, 2, 1
         args.num_prompts, args.max_tokens, args.gen_batch_size = 4, 12, 4
+        args.heldout_prompts, args.heldout_every = 2, 2
     return args
 
 
@@ -478,6 +522,12 @@ def main(argv=None) -> None:
     responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
     print(f"{len(sequences)} sequences from {len(prompts)} prompts, {responses} response tokens "
           f"(this call: {time.monotonic() - began:.0f} s, loading {began - started:.0f} s)")
+    heldout = [p for p in render(tokenizer, heldout_prompts()[:args.heldout_prompts])
+               if len(p) <= args.max_prompt_tokens]
+    if heldout:
+        heldout, _ = self_distill(target, heldout, args.out / "heldout.jsonl", max_tokens=args.max_tokens,
+                                  seed=args.seed, stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=2,
+                                  batch_size=args.gen_batch_size)
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     mask_token_id = tokenizer.token_to_id(MASK_TOKEN)
@@ -486,7 +536,7 @@ def main(argv=None) -> None:
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
                                             args.markov_rank)
     train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
-          save_every=args.save_every, log_every=args.log_every)
+          save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every)
     size = (args.out / "drafter" / "model.safetensors").stat().st_size
     print(f"done in {time.monotonic() - started:.0f} s; {args.out / 'drafter'} holds {size / 1e6:.1f} MB of weights")
 

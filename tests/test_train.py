@@ -70,17 +70,25 @@ def test_training_lowers_the_loss_and_raises_the_acceptance_length(target, seque
                               lm_head=target.lm_head)
     before = greedy_acceptance_length(target, untrained)
     torch.manual_seed(0)  # the same initial weights
-    drafter, twin = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, log_every=5)
+    heldout, _ = self_distill(target, random_prompts(8, seed=4), tmp_path / "heldout.jsonl", max_tokens=24, seed=1,
+                              stop_token_ids=[])
+    drafter, twin = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, log_every=5,
+                                   heldout=heldout, heldout_every=25)
     after = greedy_acceptance_length(target, drafter.drafter)
 
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    first, last = log[0]["drafter"], log[-1]["drafter"]
-    assert len(log) == 12
+    trained = [row for row in log if "heldout" not in row]
+    first, last = trained[0]["drafter"], trained[-1]["drafter"]
+    assert len(trained) == 12
     assert last["loss"] < 0.7 * first["loss"]
     assert last["al_estimate"] > first["al_estimate"] + 0.5
     assert after > before + 0.5, (before, after)
     # Trained on the same batches, the twin without a Markov head drafts worse after the first slot.
-    assert last["al_estimate"] > log[-1]["drafter-rank0"]["al_estimate"] + 0.1
+    assert last["al_estimate"] > trained[-1]["drafter-rank0"]["al_estimate"] + 0.1
+    # Held-out estimates at steps 25, 50 and the last; they rise too (the prompts were never trained on).
+    checks = [row for row in log if "heldout" in row]
+    assert [row["step"] for row in checks] == [25, 50, 60]
+    assert checks[-1]["heldout"]["drafter"]["al_estimate"] > checks[0]["heldout"]["drafter"]["al_estimate"]
 
 
 def test_resume_reproduces_the_uninterrupted_run(target, sequences, tmp_path):
@@ -230,7 +238,7 @@ def test_first_response_of_a_prompt_is_greedy_the_others_sampled_with_their_own_
 
 
 def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
-    prompts = random_prompts(6, seed=3)
+    prompts = [p[:n] for p, n in zip(random_prompts(6, seed=3), (4, 2, 3, 1, 4, 2))]
     whole, _ = self_distill(target, prompts, tmp_path / "whole.jsonl", max_tokens=8, seed=0, stop_token_ids=[],
                             batch_size=3)
     lines = (tmp_path / "whole.jsonl").read_text().splitlines(keepends=True)
@@ -240,6 +248,9 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     resumed, done = self_distill(target, prompts, cut, max_tokens=8, seed=0, stop_token_ids=[], batch_size=3,
                                  progress=answered.append)
     assert done and resumed == whole
+    assert [s.tokens[:s.prompt_len] for s in whole] == prompts  # returned in prompt order
+    cached = [json.loads(line)["prompt_len"] for line in lines[1:]]
+    assert cached == [1, 2, 2, 3, 4, 4]  # generated shortest first
     assert answered == [2, 3, 1]  # two from the cache, then the rest in batches
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
 
