@@ -384,16 +384,17 @@ def progress_line(summaries: dict[str, dict]) -> str:
 class TimeBudget:
     """A `stop` callback: says stop once the next step (or generation batch) would end after
     `deadline` (time.monotonic(); None: never), judging a step's length by the time between the
-    last two calls."""
+    last two calls. The first step is not a guide (it compiles), so it never stops the second."""
 
     def __init__(self, deadline: float | None):
         self.deadline = deadline
+        self.calls = 0
         self.last: float | None = None
 
     def __call__(self, step: int) -> bool:
         now = time.monotonic()
-        step_seconds = 0.0 if self.last is None else now - self.last
-        self.last = now
+        step_seconds = 0.0 if self.calls < 2 else now - self.last
+        self.calls, self.last = self.calls + 1, now
         return self.deadline is not None and now + step_seconds > self.deadline
 
 

@@ -159,10 +159,11 @@ def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_hea
 
 
 def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
-    clock = [0.0, 4.0, 8.0, 12.0]  # each step takes 4 s
-    monkeypatch.setattr(training.time, "monotonic", lambda: clock.pop(0) if clock else 12.0)
-    budget = training.TimeBudget(deadline=15.0)
-    assert [budget(step) for step in range(4)] == [False, False, False, True]  # 12 + 4 > 15
+    clock = [0.0, 20.0, 24.0, 28.0]  # the first step compiles (20 s), the others take 4 s
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock.pop(0) if clock else 28.0)
+    budget = training.TimeBudget(deadline=30.0)
+    # judged by the compiling step, 20 + 20 > 30 would stop at step 1; 28 + 4 > 30 stops at step 3
+    assert [budget(step) for step in range(4)] == [False, False, False, True]
     assert not any(training.TimeBudget(None)(step) for step in range(3))
 
 
