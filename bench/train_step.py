@@ -8,6 +8,7 @@ on the same batches; each is warmed up (the compiled one compiles there), then t
 steps with a device synchronisation at both ends.
 
     python bench/train_step.py                  # GPU
+    python bench/train_step.py --profile 3      # and where the compiled variant's step time goes
     python bench/train_step.py --smoke          # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -39,7 +40,8 @@ def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int)
             for _ in range(count)]
 
 
-def steps_per_second(target, sequences, recipe, losses, steps, warmup, device) -> float:
+def step_runner(target, sequences, recipe, losses, device):
+    """run(step): one training step of a fresh drafter and its rank-0 twin on batch `step`."""
     students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe),
                 make_student("drafter-rank0", target, default_drafter_config(target.config, 16, markov_rank=0),
                              recipe)]
@@ -48,6 +50,10 @@ def steps_per_second(target, sequences, recipe, losses, steps, warmup, device) -
     def run(step):
         train_step(target, students, make_batch(sequences, step, recipe, block_size).to(device), recipe, losses)
 
+    return run
+
+
+def steps_per_second(run, steps, warmup, device) -> float:
     for step in range(warmup):
         run(step)
     if device.type == "cuda":
@@ -67,6 +73,8 @@ def main():
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[TrainConfig.batch_size],
                         help="sequences per step (default: the recipe's)")
     parser.add_argument("--out", help="also write the table as markdown here")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="then profile this many steps of the last variant (compiled loss, last batch size)")
     args = parser.parse_args()
     recipe, batch_sizes = TrainConfig(), args.batch_sizes
     if args.smoke:
@@ -86,7 +94,8 @@ def main():
         for name, losses in (("eager", slot_losses), ("compiled", compiled_slot_losses())):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rate = steps_per_second(target, sequences, recipe, losses, steps, warmup, device)
+            run = step_runner(target, sequences, recipe, losses, device)
+            rate = steps_per_second(run, steps, warmup, device)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
                         f"| {peak:.1f} |")
@@ -97,6 +106,32 @@ def main():
               f"{datetime.date.today()}.\n")
     emit_table([header, "| B | loss | ms / step | steps / s | sequences / s | peak GiB |",
                 "|---|---|---|---|---|---|", *rows], args.out)
+    if args.profile:
+        print_profile(run, args.profile, warmup + steps, device)
+
+
+def print_profile(run, steps, first_step, device) -> None:
+    """The torch profiler's view of `steps` more steps of the last variant: the kernels (or CPU ops)
+    that took the most device time, and device vs host time per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for step in range(first_step, first_step + steps):
+            run(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - began) / steps
+    events = prof.key_averages()
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1000 / steps
+    host_ms = sum(e.self_cpu_time_total for e in events) / 1000 / steps
+    print(f"\nprofile of {steps} steps: {wall_ms:.1f} ms wall, {device_ms:.1f} ms of device kernels, "
+          f"{host_ms:.1f} ms of host ops per step (profiler overhead included)")
+    print(events.table(sort_by=sort_by, row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":
