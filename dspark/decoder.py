@@ -238,10 +238,11 @@ class SpeculativeDecoder:
             rows = torch.tensor(group, device=device)
             ids = torch.tensor([prompts[r] for r in group], device=device)
             positions = torch.arange(length, device=device).expand(len(group), length)
-            logits, hidden = self.target(ids, positions, rows=rows, hidden_layer_ids=self.layer_ids)
+            last = torch.full((len(group), 1), length - 1, device=device)
+            logits, hidden = self.target(ids, positions, rows=rows, hidden_layer_ids=self.layer_ids, logits_at=last)
             if self.drafter is not None:
                 self.drafter.append_context(hidden, positions, rows=rows)
-            last_logits[rows] = logits[:, -1:]
+            last_logits[rows] = logits
         start = torch.tensor([len(p) for p in prompts], device=device)
         no_drafts = torch.empty(len(prompts), 0, dtype=torch.long, device=device)
         no_probs = torch.empty(len(prompts), 0, last_logits.shape[-1], device=device)

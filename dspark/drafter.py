@@ -256,7 +256,9 @@ class DSparkDrafter(nn.Module):
         context before its anchor and its own slots, never another block (DeepSpec's block mask).
 
         features: [B, S, m * hidden] target features of positions 0..S-1; tokens: [B, S];
-        anchors: [B, N] positions in [0, S) -> logits [B, N, K, vocab] float32, hidden [B, N, K, hidden]
+        anchors: [B, N] positions in [0, S) -> logits [B, N, K, vocab] in the compute dtype (bfloat16
+        under autocast: the loss upcasts them where it reads them, so no float32 copy is made),
+        hidden [B, N, K, hidden]
         """
         c, K = self.config, self.block_size
         (batch, length), num_blocks, device = tokens.shape, anchors.shape[1], tokens.device
@@ -285,7 +287,7 @@ class DSparkDrafter(nn.Module):
                              scale=self.scale)
             x = layer(x, cos, sin, attend)
         hidden = self.norm(x).view(batch, num_blocks, K, -1)
-        return project_vocab(self.lm_head, hidden), hidden
+        return self.lm_head(hidden), hidden
 
     def confidence(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """Confidence logits [B, K] from hidden [B, K, hidden] and, for a head trained with the Markov

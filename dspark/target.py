@@ -115,12 +115,14 @@ class TargetModel(nn.Module):
         self.max_seq_len = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
-                hidden_layer_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions: [B, T] long; rows: [B] long cache rows (default 0..B-1).
+                hidden_layer_ids: Sequence[int] = (),
+                logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens, positions: [B, T] long; rows: [B] long cache rows (default 0..B-1);
+        logits_at: [B, P] long indices into the T tokens whose logits are wanted (default: all T).
 
         Without caches this is a causal forward over `tokens`. With caches, the tokens' keys and
         values are written at (rows, positions) and each query sees the cached keys at positions
-        <= its own. Returns logits [B, T, vocab] float32 and the outputs of decoder layers
+        <= its own. Returns logits [B, T or P, vocab] float32 and the outputs of decoder layers
         `hidden_layer_ids` (-1 = the embeddings) concatenated: [B, T, len(ids) * hidden] in the
         model's dtype, or None when no ids are asked for.
         """
@@ -142,6 +144,8 @@ class TargetModel(nn.Module):
             x = layer(x, cos, sin, mask, positions, rows)
             if i in hidden_layer_ids:
                 hidden[i] = x
+        if logits_at is not None:  # the vocabulary projection only where it is used
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         logits = project_vocab(self.lm_head, self.norm(x))
         if not hidden_layer_ids:
             return logits, None

@@ -177,20 +177,20 @@ def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
-                labels: torch.Tensor, target_logits: torch.Tensor, at: torch.Tensor, ce_weight: float,
-                tv_weight: float, confidence_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+                labels: torch.Tensor, target_logits: torch.Tensor, ce_weight: float, tv_weight: float,
+                confidence_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
     BCE(confidence, 1 - TV), and the acceptance estimate 1 - TV. One function of tensors, so that
     torch.compile fuses its passes over the vocabulary (train_step compiles it on the GPU).
 
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
-    confidence: [B, N, K] logits or None; labels, at: [B, N, K]; target_logits: [B, S, V]
+    confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
+    logits at each slot's position)
     -> terms, accept [B, N, K] float32
     """
     logits = logits.float() if bias is None else logits.float() + bias.float()
     log_q = logits.log_softmax(-1)
-    rows = torch.arange(at.shape[0], device=at.device)[:, None, None]
-    target_probs = target_logits[rows, at].float().softmax(-1)  # T = 1
+    target_probs = target_logits.float().softmax(-1)  # T = 1
     ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
     tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
     accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
@@ -202,12 +202,12 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
 
 
 def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, labels: torch.Tensor,
-                prev: torch.Tensor, at: torch.Tensor, target_logits: torch.Tensor, config: TrainConfig,
+                prev: torch.Tensor, target_logits: torch.Tensor, config: TrainConfig,
                 losses: Callable = slot_losses) -> tuple[torch.Tensor, Stats]:
     """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
     weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it.
 
-    features: [B, S, m * hidden]; labels, prev, at: [B, N, K]; target_logits: [B, S, V]
+    features: [B, S, m * hidden]; labels, prev: [B, N, K]; target_logits: [B, N, K, V] at the slots
     """
     base, hidden = drafter.forward_train(features, batch.tokens, batch.anchors)  # [B, N, K, V], [B, N, K, d]
     head = drafter.markov_head
@@ -216,8 +216,8 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, la
     if drafter.confidence_head is not None:
         prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
         confidence = drafter.confidence(hidden, prev_embedding)
-    terms, accept = losses(base, bias, confidence, labels, target_logits, at, config.ce_weight,
-                           config.tv_weight, config.confidence_weight)
+    terms, accept = losses(base, bias, confidence, labels, target_logits, config.ce_weight, config.tv_weight,
+                           config.confidence_weight)
 
     valid = batch.valid
     decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
@@ -299,11 +299,13 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
         losses = compiled_slot_losses() if device.type == "cuda" else slot_losses
     with torch.no_grad(), autocast(device):
         positions = torch.arange(batch.tokens.shape[1], device=device).expand_as(batch.tokens)
-        target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids)
         labels, prev, at = block_views(batch, block_size)
+        target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids,
+                                         logits_at=at.flatten(1))
+        target_logits = target_logits.view(*at.shape, -1)  # [B, N, K, V]
     for student in students:
         with autocast(device):
-            loss, stats = dspark_loss(student.drafter, features, batch, labels, prev, at, target_logits, config,
+            loss, stats = dspark_loss(student.drafter, features, batch, labels, prev, target_logits, config,
                                       losses)
         yield student, loss, stats
 

@@ -177,6 +177,18 @@ def test_hidden_layers_are_the_residual_stream():
 
 
 @torch.no_grad()
+def test_logits_at_projects_only_the_chosen_tokens():
+    model = make_model()
+    tokens, pos = torch.randint(0, 97, (2, 6)), torch.arange(6).expand(2, 6)
+    every, hidden = model(tokens, pos, hidden_layer_ids=(1,))
+    at = torch.tensor([[5, 0, 5], [2, 3, 1]])
+    chosen, same_hidden = model(tokens, pos, hidden_layer_ids=(1,), logits_at=at)
+    torch.testing.assert_close(chosen, every.gather(1, at[..., None].expand(-1, -1, every.shape[-1])),
+                               atol=TOL, rtol=TOL)
+    torch.testing.assert_close(same_hidden, hidden, atol=0, rtol=0)
+
+
+@torch.no_grad()
 def test_dtype_of_caches_logits_and_hidden():
     model = make_model().to(torch.bfloat16)
     model.setup_caches(max_batch_size=2, max_seq_len=8)
