@@ -1,14 +1,15 @@
 """Training speed: optimizer steps per second of `dspark.train.train_step` on the default recipe's
-shapes, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) eager and compiled.
+shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, and
+with the whole step's forward compiled (the target's and each drafter's, loss included).
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
 weights), the default drafter and its rank-0 twin, batches of random sequences shaped like the
-self-distilled data (a 200-token prompt and a 192-token response). Both variants run in one process
-on the same batches; each is warmed up (the compiled one compiles there), then timed over --steps
-steps with a device synchronisation at both ends.
+self-distilled data (a 200-token prompt and a 192-token response). The variants run in one process
+on the same batches; each is warmed up (compiling there), then timed over --steps steps with a
+device synchronisation at both ends.
 
     python bench/train_step.py                  # GPU
-    python bench/train_step.py --profile 3      # and where the compiled variant's step time goes
+    python bench/train_step.py --profile 3      # and where each variant's step time goes
     python bench/train_step.py --smoke          # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -24,14 +25,15 @@ import triton
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel
-from dspark.train import (TrainConfig, compiled_slot_losses, default_drafter_config, make_batch,
-                          make_student, slot_losses, train_step)
+from dspark.train import TrainConfig, default_drafter_config, make_batch, make_student, train_step
 from timing import emit_table
 
 SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
                             max_position_embeddings=8192, tie_word_embeddings=True)
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
+# (name, what torch.compile covers: dspark.train.COMPILE_MODES)
+VARIANTS = (("eager", "none"), ("compiled loss", "loss"), ("compiled step", "all"))
 
 
 def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int) -> list[Sequence]:
@@ -40,7 +42,7 @@ def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int)
             for _ in range(count)]
 
 
-def step_runner(target, sequences, recipe, losses, device):
+def step_runner(target, sequences, recipe, compile, device):
     """run(step): one training step of a fresh drafter and its rank-0 twin on batch `step`."""
     students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe),
                 make_student("drafter-rank0", target, default_drafter_config(target.config, 16, markov_rank=0),
@@ -48,7 +50,7 @@ def step_runner(target, sequences, recipe, losses, device):
     block_size = students[0].drafter.block_size
 
     def run(step):
-        train_step(target, students, make_batch(sequences, step, recipe, block_size).to(device), recipe, losses)
+        train_step(target, students, make_batch(sequences, step, recipe, block_size).to(device), recipe, compile)
 
     return run
 
@@ -74,7 +76,7 @@ def main():
                         help="sequences per step (default: the recipe's)")
     parser.add_argument("--out", help="also write the table as markdown here")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="then profile this many steps of the last variant (compiled loss, last batch size)")
+                        help="then profile this many steps of each variant (at the last batch size)")
     args = parser.parse_args()
     recipe, batch_sizes = TrainConfig(), args.batch_sizes
     if args.smoke:
@@ -87,15 +89,15 @@ def main():
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel(config).to(device, dtype).eval().requires_grad_(False)
-    rows = []
+    rows, runs = [], {}
     for batch_size in batch_sizes:
         recipe = dataclasses.replace(recipe, batch_size=batch_size)
         sequences = random_sequences(4 * batch_size, config.vocab_size, *shapes)
-        for name, losses in (("eager", slot_losses), ("compiled", compiled_slot_losses())):
+        for name, compile in VARIANTS:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            run = step_runner(target, sequences, recipe, losses, device)
-            rate = steps_per_second(run, steps, warmup, device)
+            runs[name] = step_runner(target, sequences, recipe, compile, device)
+            rate = steps_per_second(runs[name], steps, warmup, device)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
                         f"| {peak:.1f} |")
@@ -104,15 +106,16 @@ def main():
               f"(prompt {shapes[0]}, response {shapes[1]} tokens), drafter + rank-0 twin, {steps} steps "
               f"after {warmup} warm-up.\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{datetime.date.today()}.\n")
-    emit_table([header, "| B | loss | ms / step | steps / s | sequences / s | peak GiB |",
+    emit_table([header, "| B | compiled | ms / step | steps / s | sequences / s | peak GiB |",
                 "|---|---|---|---|---|---|", *rows], args.out)
-    if args.profile:
+    for name, run in runs.items() if args.profile else ():
+        print(f"\n{name}, batch size {batch_sizes[-1]}:")
         print_profile(run, args.profile, warmup + steps, device)
 
 
 def print_profile(run, steps, first_step, device) -> None:
-    """The torch profiler's view of `steps` more steps of the last variant: the kernels (or CPU ops)
-    that took the most device time, and device vs host time per step."""
+    """The torch profiler's view of `steps` more steps of `run`: the kernels (or CPU ops) that took
+    the most device time, and device vs host time per step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -129,9 +132,9 @@ def print_profile(run, steps, first_step, device) -> None:
     kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
     device_ms = sum(e.self_device_time_total for e in kernels) / 1000 / steps
     host_ms = sum(e.self_cpu_time_total for e in events) / 1000 / steps
-    print(f"\nprofile of {steps} steps: {wall_ms:.1f} ms wall, {device_ms:.1f} ms of device kernels, "
+    print(f"profile of {steps} steps: {wall_ms:.1f} ms wall, {device_ms:.1f} ms of device kernels, "
           f"{host_ms:.1f} ms of host ops per step (profiler overhead included)")
-    print(events.table(sort_by=sort_by, row_limit=30, max_name_column_width=70))
+    print(events.table(sort_by=sort_by, row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":

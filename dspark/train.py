@@ -201,15 +201,17 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     return terms, accept
 
 
-def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, labels: torch.Tensor,
-                prev: torch.Tensor, target_logits: torch.Tensor, config: TrainConfig,
-                losses: Callable = slot_losses) -> tuple[torch.Tensor, Stats]:
+def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                valid: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, target_logits: torch.Tensor,
+                config: TrainConfig, losses: Callable = slot_losses) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
-    weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it.
+    weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
+    tensors without host syncs, so the whole of it compiles too (see COMPILE_MODES).
 
-    features: [B, S, m * hidden]; labels, prev: [B, N, K]; target_logits: [B, N, K, V] at the slots
+    features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];
+    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV [B, N, K]
     """
-    base, hidden = drafter.forward_train(features, batch.tokens, batch.anchors)  # [B, N, K, V], [B, N, K, d]
+    base, hidden = drafter.forward_train(features, tokens, anchors)  # [B, N, K, V], [B, N, K, d]
     head = drafter.markov_head
     bias = None if head is None else head(prev.flatten(0, 1), hidden.flatten(0, 1)).view_as(base)
     confidence = None
@@ -218,15 +220,28 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, batch: Batch, la
         confidence = drafter.confidence(hidden, prev_embedding)
     terms, accept = losses(base, bias, confidence, labels, target_logits, config.ce_weight, config.tv_weight,
                            config.confidence_weight)
-
-    valid = batch.valid
     decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
     weights = decay * valid
-    loss = (weights * terms).sum() / weights.sum().clamp_min(1e-6)
+    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept
+
+
+def step_stats(loss: torch.Tensor, accept: torch.Tensor, valid: torch.Tensor) -> Stats:
+    """One step's Stats from its loss and acceptance estimates [B, N, K] over the valid slots [B, N, K]."""
     survive = torch.cumprod(accept, dim=-1)
-    stats = Stats(loss.item(), (accept * valid).sum((0, 1)).cpu(), (survive * valid).sum((0, 1)).cpu(),
-                  valid.sum((0, 1)).cpu(), 1)
-    return loss, stats
+    return Stats(loss.item(), (accept * valid).sum((0, 1)).cpu(), (survive * valid).sum((0, 1)).cpu(),
+                 valid.sum((0, 1)).cpu(), 1)
+
+
+def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,
+                 config: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's plain causal forward over the batch: its logits at the slots' positions and the
+    drafter's context features (the outputs of `config.target_layer_ids`; read from the config, not
+    passed as ints, so that a compiled copy keeps them constants rather than symbolic).
+    tokens: [B, S]; at: [B, N, K] -> [B, N, K, V] float32, [B, S, m * hidden]"""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    logits, features = target(tokens, positions, hidden_layer_ids=config.target_layer_ids,
+                              logits_at=at.flatten(1))
+    return logits.view(*at.shape, -1), features
 
 
 # ---------------------------------------------------------------------------- training
@@ -281,47 +296,54 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+# What torch.compile covers in a training step: nothing, the per-slot loss over the vocabulary (the
+# default on the GPU), or the whole step's forward: the target's and each drafter's, loss included.
+COMPILE_MODES = ("none", "loss", "all")
+
+
 @functools.cache
-def compiled_slot_losses() -> Callable:
-    """slot_losses compiled once per process, for any batch, sequence length and block count."""
-    return torch.compile(slot_losses, dynamic=True)
+def compiled(fn: Callable) -> Callable:
+    """fn compiled once per process. A shape (or other input) that changes between calls makes one
+    recompilation, which keeps it dynamic from then on (batch, sequence length, block count)."""
+    return torch.compile(fn, dynamic=None)
 
 
 def student_losses(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
-                   losses: Callable | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats]]:
+                   compile: str | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats]]:
     """(student, loss, stats) for every student on `batch`, one student at a time, so that a caller
     can backpropagate one loss before the next student's forward. The target runs once.
-    `losses`: slot_losses or a compiled copy (default: compiled on the GPU, eager on the CPU)."""
+    `compile`: one of COMPILE_MODES (default: "loss" on the GPU, "none" on the CPU)."""
     device = target.embed_tokens.weight.device
-    layer_ids = students[0].drafter.config.target_layer_ids
-    block_size = students[0].drafter.block_size
-    if losses is None:
-        losses = compiled_slot_losses() if device.type == "cuda" else slot_losses
+    compile = compile or ("loss" if device.type == "cuda" else "none")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    whole = compile == "all"
+    losses = compiled(slot_losses) if compile == "loss" else slot_losses
+    drafter_config = students[0].drafter.config
     with torch.no_grad(), autocast(device):
-        positions = torch.arange(batch.tokens.shape[1], device=device).expand_as(batch.tokens)
-        labels, prev, at = block_views(batch, block_size)
-        target_logits, features = target(batch.tokens, positions, hidden_layer_ids=layer_ids,
-                                         logits_at=at.flatten(1))
-        target_logits = target_logits.view(*at.shape, -1)  # [B, N, K, V]
+        labels, prev, at = block_views(batch, drafter_config.block_size)
+        target_logits, features = (compiled(target_slots) if whole else target_slots)(
+            target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
-            loss, stats = dspark_loss(student.drafter, features, batch, labels, prev, target_logits, config,
-                                      losses)
-        yield student, loss, stats
+            loss, accept = (compiled(dspark_loss) if whole else dspark_loss)(
+                student.drafter, features, batch.tokens, batch.anchors, batch.valid, labels, prev, target_logits,
+                config, losses)
+        yield student, loss, step_stats(loss, accept, batch.valid)
 
 
 def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
-               losses: Callable | None = None) -> list[Stats]:
-    """One optimizer step of every student on `batch` (`losses`: see student_losses)."""
-    stats = []
-    for student, loss, step_stats in student_losses(target, students, batch, config, losses):
+               compile: str | None = None) -> list[Stats]:
+    """One optimizer step of every student on `batch` (`compile`: see student_losses)."""
+    collected = []
+    for student, loss, stats in student_losses(target, students, batch, config, compile):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
         student.optimizer.step()
         student.optimizer.zero_grad(set_to_none=True)
         student.scheduler.step()
-        stats.append(step_stats)
-    return stats
+        collected.append(stats)
+    return collected
 
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
@@ -333,12 +355,13 @@ def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: 
 
 @torch.no_grad()
 def evaluate_students(target: TargetModel, students: list[Student], batches: list[Batch],
-                      config: TrainConfig) -> list[Stats]:
-    """Every student's teacher-forced loss and acceptance estimates on `batches`, without updating."""
+                      config: TrainConfig, compile: str | None = None) -> list[Stats]:
+    """Every student's teacher-forced loss and acceptance estimates on `batches`, without updating
+    (`compile`: see student_losses)."""
     device = target.embed_tokens.weight.device
     totals = [Stats() for _ in students]
     for batch in batches:
-        stats = [s for _, _, s in student_losses(target, students, batch.to(device), config)]
+        stats = [s for _, _, s in student_losses(target, students, batch.to(device), config, compile)]
         totals = [t + s for t, s in zip(totals, stats)]
     return totals
 
@@ -403,12 +426,12 @@ class TimeBudget:
 def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Sequence], out: Path,
           config: TrainConfig, resume: bool = False, stop: Callable[[int], bool] | None = None,
           save_every: int = 500, log_every: int = 10, heldout: list[Sequence] | None = None,
-          heldout_every: int = 500) -> list[Student]:
+          heldout_every: int = 500, compile: str | None = None) -> list[Student]:
     """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
     `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
     `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, and the
     estimates on the `heldout` sequences every `heldout_every` steps and at the last step; exports
-    to out/<name>; returns the students."""
+    to out/<name>; returns the students. `compile`: see student_losses."""
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
     target.drop_caches()  # the self-distillation decoder left its KV caches
@@ -431,7 +454,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 bar.write(f"stopped at step {step}: continue with --resume")
                 break
             batch = make_batch(sequences, step, config, drafter_config.block_size).to(device)
-            window = [w + s for w, s in zip(window, train_step(target, students, batch, config))]
+            window = [w + s for w, s in zip(window, train_step(target, students, batch, config, compile))]
             step += 1
             bar.update(1)
             if step % log_every == 0 or step == config.steps:
@@ -443,7 +466,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 window = [Stats() for _ in students]
             if checks and (step % heldout_every == 0 or step == config.steps):
                 summaries = {s.name: h.summary() for s, h in zip(students, evaluate_students(
-                    target, students, checks, config))}
+                    target, students, checks, config, compile))}
                 bar.write(f"held-out, step {step}: {progress_line(summaries)}")
                 log.write(json.dumps({"step": step, "heldout": summaries}) + "\n")
                 log.flush()
@@ -490,6 +513,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="held-out prompts (answered twice, never trained on) whose teacher-forced estimates "
                         "are logged (default: all; 0: none)")
     p.add_argument("--heldout-every", type=int, default=500, help="held-out estimate interval in steps")
+    p.add_argument("--compile", choices=COMPILE_MODES, default=None,
+                   help="what torch.compile covers in a step (default: the loss on the GPU, nothing on the CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
@@ -539,7 +564,8 @@ def main(argv=None) -> None:
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
                                             args.markov_rank)
     train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
-          save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every)
+          save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every,
+          compile=args.compile)
     size = (args.out / "drafter" / "model.safetensors").stat().st_size
     print(f"done in {time.monotonic() - started:.0f} s; {args.out / 'drafter'} holds {size / 1e6:.1f} MB of weights")
 

@@ -256,6 +256,29 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
+def test_a_compiled_step_computes_the_eager_losses_and_gradients(target, sequences):
+    """COMPILE_MODES "all" (target forward and each drafter's loss compiled with Inductor) against
+    "none": same losses, acceptance estimates and gradients, for the drafter and its rank-0 twin."""
+    config = training.TrainConfig(batch_size=4, num_anchors=6)
+    target.drop_caches()  # left by the sequences' generation; training runs plain causal forwards
+    results = {}
+    for compile in ("none", "all"):
+        torch.manual_seed(0)
+        students = [training.make_student("drafter", target, tiny_drafter_config(target), config),
+                    training.make_student("twin", target, tiny_drafter_config(target, markov_rank=0), config)]
+        batch = training.make_batch(sequences, 3, config, students[0].drafter.block_size)
+        results[compile] = []
+        for student, loss, stats in training.student_losses(target, students, batch, config, compile):
+            loss.backward()
+            grads = [p.grad for p in student.drafter.parameters() if p.requires_grad]
+            results[compile].append((loss.detach(), stats.accept, *grads))
+    for want, got in zip(results["none"], results["all"], strict=True):
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        next(training.student_losses(target, students, batch, config, "everything"))
+
+
 def test_compiled_slot_losses_equal_the_eager_ones():
     """train_step compiles slot_losses on the GPU: the compiled function gives the eager terms,
     acceptance and gradients (Inductor on the CPU; two block counts, one compilation)."""
