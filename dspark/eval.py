@@ -7,7 +7,9 @@ K drafts per step and the decoder's counters are summed over the prompts:
 - acceptance at position k = (steps whose draft k was accepted) / steps;
 - AL (acceptance length, the bonus token included) = 1 + accepted drafts / steps = 1 + sum_k acceptance_k;
 - AL per prompt domain (chat, code, math, prose).
-Prints a markdown table and writes it to --out.
+Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead:
+against the held-out table it shows how much a drafter learned its training sequences by heart (at
+T = 0 it meets the very greedy responses it was trained on).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.checkpoint import load_drafter
-from dspark.data import DOMAINS, Prompt, heldout_prompts, render
+from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default, load_default_target
@@ -106,8 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--methods", nargs="+", choices=VERIFY_METHODS, default=list(VERIFY_METHODS))
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=7)
+    p.add_argument("--prompts", choices=("heldout", "train"), default="heldout",
+                   help="the held-out prompts, or training prompts (to compare: how much of the acceptance "
+                        "on seen prompts carries over to unseen ones)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="the first N held-out prompts, which alternate between domains (default: all 80)")
+                   help="the first N prompts (held-out: they alternate between domains; default all 80; "
+                        "train: in the training set's shuffled order, default 80)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=80, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
@@ -125,7 +131,10 @@ def main(argv=None) -> None:
     else:
         target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
         drafters = {"default": default_drafter}
-    prompts = heldout_prompts()[:args.num_prompts]
+    if args.prompts == "heldout":
+        prompts = heldout_prompts()[:args.num_prompts]
+    else:
+        prompts = training_prompts(args.num_prompts or 80)
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
                     num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
                     batch_size=args.batch_size, seed=args.seed)
