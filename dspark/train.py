@@ -302,10 +302,10 @@ COMPILE_MODES = ("none", "loss", "all")
 
 
 @functools.cache
-def compiled(fn: Callable) -> Callable:
-    """fn compiled once per process. A shape (or other input) that changes between calls makes one
-    recompilation, which keeps it dynamic from then on (batch, sequence length, block count)."""
-    return torch.compile(fn, dynamic=None)
+def compiled(fn: Callable, dynamic: bool | None = True) -> Callable:
+    """fn compiled once per process: with dynamic shapes from the start (batch, sequence length,
+    block count), or with dynamic=None static until a shape changes, then recompiled dynamic."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 def student_losses(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
@@ -322,7 +322,8 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
     drafter_config = students[0].drafter.config
     with torch.no_grad(), autocast(device):
         labels, prev, at = block_views(batch, drafter_config.block_size)
-        target_logits, features = (compiled(target_slots) if whole else target_slots)(
+        # dynamic=None: dynamic=True would make the config's layer ids symbolic ints
+        target_logits, features = (compiled(target_slots, dynamic=None) if whole else target_slots)(
             target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
