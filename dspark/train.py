@@ -228,8 +228,10 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
 def step_stats(loss: torch.Tensor, accept: torch.Tensor, valid: torch.Tensor) -> Stats:
     """One step's Stats from its loss and acceptance estimates [B, N, K] over the valid slots [B, N, K]."""
     survive = torch.cumprod(accept, dim=-1)
-    return Stats(loss.item(), (accept * valid).sum((0, 1)).cpu(), (survive * valid).sum((0, 1)).cpu(),
-                 valid.sum((0, 1)).cpu(), 1)
+    sums = torch.stack([accept * valid, survive * valid, valid.float()]).sum((1, 2))  # [3, K]
+    host = torch.cat([loss.detach().float()[None], sums.flatten()]).cpu()  # one device-to-host copy
+    accepted, survived, count = host[1:].view_as(sums)
+    return Stats(host[0].item(), accepted, survived, count, 1)
 
 
 def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,
@@ -318,18 +320,18 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     whole = compile == "all"
+    # dynamic=None for the target: dynamic=True would make the config's layer ids symbolic ints
+    target_forward = compiled(target_slots, dynamic=None) if whole else target_slots
+    drafter_loss = compiled(dspark_loss) if whole else dspark_loss
     losses = compiled(slot_losses) if compile == "loss" else slot_losses
     drafter_config = students[0].drafter.config
     with torch.no_grad(), autocast(device):
         labels, prev, at = block_views(batch, drafter_config.block_size)
-        # dynamic=None: dynamic=True would make the config's layer ids symbolic ints
-        target_logits, features = (compiled(target_slots, dynamic=None) if whole else target_slots)(
-            target, batch.tokens, at, drafter_config)
+        target_logits, features = target_forward(target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
-            loss, accept = (compiled(dspark_loss) if whole else dspark_loss)(
-                student.drafter, features, batch.tokens, batch.anchors, batch.valid, labels, prev, target_logits,
-                config, losses)
+            loss, accept = drafter_loss(student.drafter, features, batch.tokens, batch.anchors, batch.valid,
+                                        labels, prev, target_logits, config, losses)
         yield student, loss, step_stats(loss, accept, batch.valid)
 
 
