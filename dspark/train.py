@@ -62,6 +62,7 @@ from dspark.loading import load_default_target
 from dspark.target import TargetModel
 
 CHECKPOINT = "checkpoint.pt"
+LENGTH_MULTIPLE = 64  # batches are padded to a multiple of this many tokens
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
 
 
@@ -125,14 +126,18 @@ def batch_indices(num_sequences: int, batch_size: int, step: int, seed: int) -> 
 
 
 def make_batch(sequences: list[Sequence], step: int, config: TrainConfig, block_size: int) -> Batch:
-    """The step's sequences, padded, with up to `num_anchors` random anchors each among the
-    response positions that have a next token."""
+    """The step's sequences, padded to a multiple of LENGTH_MULTIPLE, with up to `num_anchors` random
+    anchors each among the response positions that have a next token (always `num_anchors` blocks,
+    the missing ones padding). So a batch's shape varies only in its length, and only in whole
+    multiples: a compiled step (COMPILE_MODES) then compiles once, where other lengths' alignments
+    would each compile again."""
     chosen = [sequences[i] for i in batch_indices(len(sequences), config.batch_size, step, config.seed)]
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
     # anchors p with a label at p + 1, sorted
     picked = [(torch.randperm(len(s.tokens) - 1 - s.prompt_len, generator=generator)[:config.num_anchors]
                + s.prompt_len).sort().values for s in chosen]
-    length, num_blocks = max(len(s.tokens) for s in chosen), max(1, max(len(p) for p in picked))
+    longest = max(len(s.tokens) for s in chosen)
+    length, num_blocks = -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, config.num_anchors
     tokens = torch.zeros(len(chosen), length, dtype=torch.long)
     anchors = torch.zeros(len(chosen), num_blocks, dtype=torch.long)
     valid = torch.zeros(len(chosen), num_blocks, block_size, dtype=torch.bool)
@@ -325,6 +330,8 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
     drafter_loss = compiled(dspark_loss) if whole else dspark_loss
     losses = compiled(slot_losses) if compile == "loss" else slot_losses
     drafter_config = students[0].drafter.config
+    if whole:  # the length varies between batches: compile for any (make_batch pads it to a multiple)
+        torch._dynamo.mark_dynamic(batch.tokens, 1)
     with torch.no_grad(), autocast(device):
         labels, prev, at = block_views(batch, drafter_config.block_size)
         target_logits, features = target_forward(target, batch.tokens, at, drafter_config)
@@ -358,13 +365,14 @@ def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: 
 
 @torch.no_grad()
 def evaluate_students(target: TargetModel, students: list[Student], batches: list[Batch],
-                      config: TrainConfig, compile: str | None = None) -> list[Stats]:
-    """Every student's teacher-forced loss and acceptance estimates on `batches`, without updating
-    (`compile`: see student_losses)."""
+                      config: TrainConfig) -> list[Stats]:
+    """Every student's teacher-forced loss and acceptance estimates on `batches`, without updating.
+    Eager: the training step's compiled functions would compile again for a forward without autograd,
+    to run on a few batches."""
     device = target.embed_tokens.weight.device
     totals = [Stats() for _ in students]
     for batch in batches:
-        stats = [s for _, _, s in student_losses(target, students, batch.to(device), config, compile)]
+        stats = [s for _, _, s in student_losses(target, students, batch.to(device), config, "none")]
         totals = [t + s for t, s in zip(totals, stats)]
     return totals
 
@@ -469,7 +477,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 window = [Stats() for _ in students]
             if checks and (step % heldout_every == 0 or step == config.steps):
                 summaries = {s.name: h.summary() for s, h in zip(students, evaluate_students(
-                    target, students, checks, config, compile))}
+                    target, students, checks, config))}
                 bar.write(f"held-out, step {step}: {progress_line(summaries)}")
                 log.write(json.dumps({"step": step, "heldout": summaries}) + "\n")
                 log.flush()

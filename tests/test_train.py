@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dspark import train as training
 from dspark.checkpoint import load_drafter
@@ -256,22 +257,30 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
-def test_a_compiled_step_computes_the_eager_losses_and_gradients(target, sequences):
+def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_once(target, sequences):
     """COMPILE_MODES "all" (target forward and each drafter's loss compiled with Inductor) against
-    "none": same losses, acceptance estimates and gradients, for the drafter and its rank-0 twin."""
+    "none": same losses, acceptance estimates and gradients, for the drafter and its rank-0 twin, on
+    batches of two lengths; the second length compiles nothing new (make_batch pads the length to a
+    multiple of LENGTH_MULTIPLE and always makes num_anchors blocks; without that every new length
+    compiled the target's forward and both losses again)."""
     config = training.TrainConfig(batch_size=4, num_anchors=6)
     target.drop_caches()  # left by the sequences' generation; training runs plain causal forwards
-    results = {}
+    longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences]  # past one LENGTH_MULTIPLE
+    results, graphs, lengths = {}, {}, set()
     for compile in ("none", "all"):
         torch.manual_seed(0)
         students = [training.make_student("drafter", target, tiny_drafter_config(target), config),
                     training.make_student("twin", target, tiny_drafter_config(target, markov_rank=0), config)]
-        batch = training.make_batch(sequences, 3, config, students[0].drafter.block_size)
-        results[compile] = []
-        for student, loss, stats in training.student_losses(target, students, batch, config, compile):
-            loss.backward()
-            grads = [p.grad for p in student.drafter.parameters() if p.requires_grad]
-            results[compile].append((loss.detach(), stats.accept, *grads))
+        results[compile], graphs[compile] = [], []
+        for data in (sequences, longer):
+            batch = training.make_batch(data, 3, config, students[0].drafter.block_size)
+            lengths.add(batch.tokens.shape[1])
+            for student, loss, stats in training.student_losses(target, students, batch, config, compile):
+                grads = torch.autograd.grad(loss, [p for p in student.drafter.parameters() if p.requires_grad])
+                results[compile].append((loss.detach(), stats.accept, *grads))
+            graphs[compile].append(counters["stats"]["unique_graphs"])
+    assert len(lengths) == 2
+    assert graphs["all"][1] == graphs["all"][0]  # the second length reuses the first one's graphs
     for want, got in zip(results["none"], results["all"], strict=True):
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
