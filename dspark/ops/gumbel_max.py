@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
+from dspark.ops.philox import STREAM_DRAFT, fast_divide, token_exponentials, token_exponentials_torch
 
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
 
@@ -75,7 +75,7 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
     e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None], x, p / e)  # x = biased (or -inf outside) for greedy rows
+    score = tl.where(greedy[:, None], x, fast_divide(p, e))  # x = biased (or -inf outside) for greedy rows
     best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
     best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
 

@@ -18,15 +18,19 @@ float32 -log(1 - u) would round 1 - u, off by up to 1e-4 where races are won.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
 N_ROUNDS = 10
 U32 = 0xFFFFFFFF
 TWO_POW_M32 = 2.0 ** -32
+TWO_POW_M33 = 2.0 ** -33
 U_MAX = 1.0 - 2.0 ** -24  # largest uniform, so log(1 - u) stays finite
 LN2 = 0.6931471805599453
 M_LOW_BITS = 0x3F400000  # float32 0.75: mantissas are brought into [0.75, 1.5)
@@ -37,8 +41,9 @@ STREAM_ACCEPT = 1 << 16  # acceptance uniform of verified position i
 STREAM_TARGET = 2 << 16  # noise of the correction / bonus token at position i
 
 # Compiled Triton reads module globals only as constexprs: the kernels use these copies.
-_ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _U_MAX, _LN2, _M_LOW_BITS = (
-    tl.constexpr(c) for c in (ROUND_A, ROUND_B, KEY_A, KEY_B, N_ROUNDS, TWO_POW_M32, U_MAX, LN2, M_LOW_BITS))
+_ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _TWO_POW_M33, _U_MAX, _LN2, _M_LOW_BITS = (
+    tl.constexpr(c) for c in (ROUND_A, ROUND_B, KEY_A, KEY_B, N_ROUNDS, TWO_POW_M32, TWO_POW_M33, U_MAX, LN2,
+                              M_LOW_BITS))
 
 
 # ---------------------------------------------------------------- Triton
@@ -59,11 +64,12 @@ def philox(seed, offset, counter, stream):
     a = tl.full([], _ROUND_A, tl.uint32)
     b = tl.full([], _ROUND_B, tl.uint32)
     for _ in tl.static_range(_N_ROUNDS):
-        p0, p2 = c0, c2
-        c0 = tl.umulhi(b, p2) ^ c1 ^ k0
-        c2 = tl.umulhi(a, p0) ^ c3 ^ k1
-        c1 = b * p2
-        c3 = a * p0
+        prod_b = b.to(tl.uint64) * c2  # one wide multiply gives both words of the product
+        prod_a = a.to(tl.uint64) * c0
+        c0 = (prod_b >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (prod_a >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = prod_b.to(tl.uint32)
+        c3 = prod_a.to(tl.uint32)
         k0 = k0 + _KEY_A
         k1 = k1 + _KEY_B
     return c0, c1, c2, c3
@@ -78,7 +84,7 @@ def token_words(seed, offset, counter, stream):
 
 @triton.jit
 def uniform(word):
-    u = (word.to(tl.float32) + 0.5) * _TWO_POW_M32
+    u = word.to(tl.float32) * _TWO_POW_M32 + _TWO_POW_M33  # one FMA: (w + 1/2) 2^-32, rounded once
     return tl.minimum(u, _U_MAX)
 
 
@@ -91,10 +97,23 @@ def exponential(u):
     small = u < 0.25
     num = tl.where(small, -u, m - 1.0)
     den = tl.where(small, 2.0 - u, m + 1.0)
-    s = num / den
+    s = fast_divide(num, den)
     s2 = s * s
     atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
     return -(k.to(tl.float32) * _LN2 + 2.0 * atanh)  # k = 0 for u < 1/4
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # numpy divides correctly rounded; libdevice is GPU only
+    @triton.jit
+    def fast_divide(x, y):
+        return x / y
+else:
+    @triton.jit
+    def fast_divide(x, y):
+        """x / y to 2 ulps (the accuracy of Triton's `/`, div.full.f32) as one reciprocal and a
+        multiply (div.approx.f32), without div.full's range scaling: for |y| in [2^-126, 2^126], as
+        the noise's divisors are (den in [1.75, 2.5] above, e in (2^-33, 23] in the races)."""
+        return libdevice.fast_dividef(x, y)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, single_uniform, single_uniform_torch,
+from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, fast_divide, single_uniform, single_uniform_torch,
                                token_exponentials, token_exponentials_torch)
 
 CHUNK = 4096  # vocabulary columns per program of the statistics passes
@@ -276,8 +276,8 @@ def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, se
     w = tl.maximum(scale * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
     counters = c * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
     e = token_exponentials(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM)
-    score_w = tl.where(w > 0, w / e, float("-inf"))
-    score_p = tl.where(p > 0, p / e, float("-inf"))
+    score_w = tl.where(w > 0, fast_divide(w, e), float("-inf"))
+    score_p = tl.where(p > 0, fast_divide(p, e), float("-inf"))
     best_w, arg_w = tl.max(score_w, 0, return_indices=True, return_indices_tie_break_left=True)
     best_p, arg_p = tl.max(score_p, 0, return_indices=True, return_indices_tie_break_left=True)
     out = b * tl.num_programs(1) + c
