@@ -6,7 +6,7 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
 - dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch) at
-  the step's default tiles; with --tiles, one more column per step tiling (block_v, block_b);
+  its default tiles (gumbel_max.step_tiles); with --tiles, one more column per step tiling;
 - bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov

@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import STEP_TILES, gumbel_pick, gumbel_step
+from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, step_tiles
 from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
-                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] = STEP_TILES) -> Tensor:
+                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
     logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
@@ -29,9 +29,11 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     anchor [B] int64: the token before position 0; temperature [B] float32 (0 = greedy: the argmax
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
-    tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program.
+    tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program (default:
+    gumbel_max.step_tiles(B)).
     """
     batch, positions, vocab = logits.shape
+    tiles = tiles or step_tiles(batch)
     biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
     stat_max = logits.new_empty((batch, positions), dtype=torch.float32)

@@ -31,7 +31,14 @@ from torch.library import triton_op, wrap_triton
 from dspark.ops.checks import check_rows
 from dspark.ops.philox import STREAM_DRAFT, fast_divide, token_exponentials, token_exponentials_torch
 
-STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step: one row per program
+STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
+
+
+def step_tiles(batch: int) -> tuple[int, int]:
+    """The step's tiles for a batch of `batch` rows: 2048-token tiles from 8 rows on, where the
+    fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
+    bench/drafting.py --tiles on the H200, docs/performance.md)."""
+    return STEP_TILES if batch < 8 else (2048, 1)
 
 
 def num_chunks(vocab_size: int, block_v: int) -> int:
