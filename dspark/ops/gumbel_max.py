@@ -29,7 +29,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import STREAM_DRAFT, fast_divide, token_exponentials, token_exponentials_torch
+from dspark.ops.fastmath import fast_divide, fast_exp
+from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
 
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
 
@@ -75,14 +76,14 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
     inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
     x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
     m = tl.max(x, 1)
-    p = tl.exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    p = fast_exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # flushed below 2^-126: no effect
 
     counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
     streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
     e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None], x, fast_divide(p, e))  # x = biased (or -inf outside) for greedy rows
+    score = tl.where(greedy[:, None], x, fast_divide(p, e))  # x: biased or -inf for greedy rows
     best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
     best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
 

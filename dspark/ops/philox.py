@@ -11,19 +11,18 @@ counter 0.
 
 `uniform` maps a word to (0, 1) with full resolution near 0; `exponential` maps a uniform to
 Exp(1) as -log(1 - u) to a few float32 ulps, small values included (u -> 0, the winning tail of an
-exponential race argmax_v w_v / e_v): log(v) = k log 2 + 2 atanh((m - 1) / (m + 1)) for
-v = m 2^k with m in [0.75, 1.5), or, for u < 1/4, -log(1 - u) = 2 atanh(u / (2 - u)) without
+exponential race argmax_v w_v / e_v): -log(v) = 2 atanh((1 - m) / (1 + m)) - k log 2 for
+v = 1 - u = m 2^k with m in [0.75, 1.5), or, for u < 1/4, -log(1 - u) = 2 atanh(u / (2 - u)) without
 rounding 1 - u; atanh as its odd series to s^9 (|s| <= 0.2: truncation below 1e-8). A plain
 float32 -log(1 - u) would round 1 - u, off by up to 1e-4 where races are won.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
+
+from dspark.ops.fastmath import fast_divide
 
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -95,25 +94,10 @@ def exponential(u):
     k = (bits - _M_LOW_BITS) >> 23  # v = m 2^k, m in [0.75, 1.5)
     m = (bits - (k << 23)).to(tl.float32, bitcast=True)
     small = u < 0.25
-    num = tl.where(small, -u, m - 1.0)
-    den = tl.where(small, 2.0 - u, m + 1.0)
-    s = fast_divide(num, den)
+    s = fast_divide(tl.where(small, u, 1.0 - m), tl.where(small, 2.0 - u, m + 1.0))  # den in [1.75, 2.5]
     s2 = s * s
     atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
-    return -(k.to(tl.float32) * _LN2 + 2.0 * atanh)  # k = 0 for u < 1/4
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":  # numpy divides correctly rounded; libdevice is GPU only
-    @triton.jit
-    def fast_divide(x, y):
-        return x / y
-else:
-    @triton.jit
-    def fast_divide(x, y):
-        """x / y to 2 ulps (the accuracy of Triton's `/`, div.full.f32) as one reciprocal and a
-        multiply (div.approx.f32), without div.full's range scaling: for |y| in [2^-126, 2^126], as
-        the noise's divisors are (den in [1.75, 2.5] above, e in (2^-33, 23] in the races)."""
-        return libdevice.fast_dividef(x, y)
+    return 2.0 * atanh - k.to(tl.float32) * _LN2  # k = 0 for u < 1/4
 
 
 @triton.jit
@@ -177,10 +161,10 @@ def exponential_torch(u: torch.Tensor) -> torch.Tensor:
     k = (bits - M_LOW_BITS) >> 23
     m = (bits - (k << 23)).view(torch.float32)
     small = u < 0.25
-    s = torch.where(small, -u, m - 1.0) / torch.where(small, 2.0 - u, m + 1.0)
+    s = torch.where(small, u, 1.0 - m) / torch.where(small, 2.0 - u, m + 1.0)
     s2 = s * s
     atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
-    return -(k.float() * LN2 + 2.0 * atanh)  # k = 0 for u < 1/4
+    return 2.0 * atanh - k.float() * LN2  # k = 0 for u < 1/4
 
 
 def token_exponentials_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,

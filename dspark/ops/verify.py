@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from dspark.ops.checks import check_rows
-from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, fast_divide, single_uniform, single_uniform_torch,
+from dspark.ops.fastmath import fast_divide
+from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, single_uniform, single_uniform_torch,
                                token_exponentials, token_exponentials_torch)
 
 CHUNK = 4096  # vocabulary columns per program of the statistics passes
