@@ -103,7 +103,12 @@ def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_
         logits, logits if bias is None else bias, temperature, seed, offset, biased, best, index,
         chunk_max, chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
         logits.stride(1), HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_V=block_v,
-        num_warps=4 if block_b * block_v <= 4096 else 8)
+        num_warps=step_warps(block_v, block_b))
+
+
+def step_warps(block_v: int, block_b: int) -> int:
+    """Warps per step program: 4 up to 4096 tokens per tile, else 8."""
+    return 4 if block_b * block_v <= 4096 else 8
 
 
 def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,

@@ -1,0 +1,78 @@
+"""The drafting step kernel's machine code for the H200 (sm_90), compiled on any machine: SASS
+instructions per tile and per token, registers, spills.
+
+At large batches the step is bound by instruction issue (Nsight Compute; docs/performance.md), so
+its SASS instruction count per token is the figure a change to its arithmetic moves; this counts it
+without a GPU. Triton compiles the kernel as a launch at V = 200064 would (pointers and the
+vocabulary's multiples of 16 specialized as divisible by 16), with a bfloat16 bias, then its bundled
+ptxas and cuobjdump give the SASS. Static counts: every instruction once, the division's
+slow paths included (Nsight Compute counted 113 executed instructions per token at 1024-token tiles
+where this counts 126 for the same commit).
+
+    python bench/step_sass.py                     # the default tilings
+    python bench/step_sass.py --tiles 4096x1 2048x2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dspark.ops.gumbel_max import STEP_TILES, _step_kernel, step_tiles, step_warps
+from drafting import tile_pair
+from timing import emit_table
+
+TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
+         "offset_ptr": "*i64", "biased_ptr": "*fp32", "best_ptr": "*fp32", "index_ptr": "*i64",
+         "chunk_max_ptr": "*fp32", "chunk_sum_ptr": "*fp32"}
+ALIGNED = ("vocab_size", "logits_row_stride", "logits_pos_stride")  # multiples of 16 at V = 200064
+
+
+def sass(block_v: int, block_b: int) -> tuple[str, dict]:
+    """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
+    names = _step_kernel.arg_names
+    constexprs = {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK_V": block_v}
+    signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ALIGNED}
+    kernel = triton.compile(ASTSource(_step_kernel, signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": step_warps(block_v, block_b)})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "step.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+    return text, {key: int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiles", type=tile_pair, nargs="+", default=sorted({STEP_TILES, step_tiles(88)}),
+                        metavar="VxB", help="step tilings (block_v, block_b)")
+    parser.add_argument("--out", help="also write the table as markdown here")
+    args = parser.parse_args()
+    rows = []
+    for block_v, block_b in args.tiles:
+        text, usage = sass(block_v, block_b)
+        count = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+\S", text))
+        tokens = block_v * block_b
+        threads = 32 * step_warps(block_v, block_b)
+        rows.append(f"| {block_v} x {block_b} | {threads} | {count} | {count * threads / tokens:.0f} "
+                    f"| {usage['REG']} | {usage['STACK']} |")
+    header = f"Step kernel SASS for sm_90 (static counts, per thread), triton {triton.__version__}.\n"
+    emit_table([header, "| tile (V x B) | threads | instructions | per token | registers | stack bytes |",
+                "|---|---|---|---|---|---|", *rows], args.out)
+
+
+if __name__ == "__main__":
+    main()
