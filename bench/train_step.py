@@ -3,10 +3,12 @@ shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabular
 with the whole step's forward compiled (the target's and each drafter's, loss included).
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
-weights), the default drafter and its rank-0 twin, batches of random sequences shaped like the
-self-distilled data (a 200-token prompt and a 192-token response). The variants run in one process
-on the same batches; each is warmed up (compiling there), then timed over --steps steps with a
-device synchronisation at both ends.
+weights), the default drafter and its rank-0 twin, batches of random sequences of lengths like the
+self-distilled data's (prompts of 100 to 400 tokens, responses of 96 to 192, drawn per sequence, so
+that batches differ in length). The variants run in one process on the same batches; each is warmed
+up (compiling there), then timed over --steps steps with a device synchronisation at both ends. The
+table counts the graphs each variant compiled: a count that grows with the steps would mean a
+compilation per batch length.
 
     python bench/train_step.py                  # GPU
     python bench/train_step.py --profile 3      # and where each variant's step time goes
@@ -21,6 +23,7 @@ import time
 
 import torch
 import triton
+from torch._dynamo.utils import counters
 
 from dspark.config import TargetConfig
 from dspark.data import Sequence
@@ -37,9 +40,15 @@ VARIANTS = (("eager", "none"), ("compiled loss", "loss"), ("compiled step", "all
 
 
 def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int) -> list[Sequence]:
+    """Sequences of a prompt of prompt_len / 4 .. prompt_len tokens and a response of
+    response_len / 2 .. response_len tokens."""
     g = torch.Generator().manual_seed(0)
-    return [Sequence(torch.randint(0, vocab, (prompt_len + response_len,), generator=g).tolist(), prompt_len)
-            for _ in range(count)]
+    sequences = []
+    for _ in range(count):
+        prompt = int(torch.randint(prompt_len // 4, prompt_len + 1, (), generator=g))
+        response = int(torch.randint(response_len // 2, response_len + 1, (), generator=g))
+        sequences.append(Sequence(torch.randint(0, vocab, (prompt + response,), generator=g).tolist(), prompt))
+    return sequences
 
 
 def step_runner(target, sequences, recipe, compile, device):
@@ -85,7 +94,7 @@ def main():
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
-        device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2_135M, (200, 192), args.steps, 5
+        device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2_135M, (400, 192), args.steps, 5
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel(config).to(device, dtype).eval().requires_grad_(False)
@@ -97,17 +106,20 @@ def main():
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             runs[name] = step_runner(target, sequences, recipe, compile, device)
+            graphs = counters["stats"]["unique_graphs"]
             rate = steps_per_second(runs[name], steps, warmup, device)
+            graphs = counters["stats"]["unique_graphs"] - graphs
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
-                        f"| {peak:.1f} |")
+                        f"| {peak:.1f} | {graphs} |")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"train_step: B sequences x {recipe.num_anchors} blocks per step "
-              f"(prompt {shapes[0]}, response {shapes[1]} tokens), drafter + rank-0 twin, {steps} steps "
+              f"(prompts of {shapes[0] // 4}-{shapes[0]}, responses of {shapes[1] // 2}-{shapes[1]} tokens), "
+              f"drafter + rank-0 twin, {steps} steps "
               f"after {warmup} warm-up.\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{datetime.date.today()}.\n")
-    emit_table([header, "| B | compiled | ms / step | steps / s | sequences / s | peak GiB |",
-                "|---|---|---|---|---|---|", *rows], args.out)
+    emit_table([header, "| B | compiled | ms / step | steps / s | sequences / s | peak GiB | graphs compiled |",
+                "|---|---|---|---|---|---|---|", *rows], args.out)
     for name, run in runs.items() if args.profile else ():
         print(f"\n{name}, batch size {batch_sizes[-1]}:")
         print_profile(run, args.profile, warmup + steps, device)
