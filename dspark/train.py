@@ -1,7 +1,7 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
-    python -m dspark.train --out runs/smollm2 --device cuda --steps 3000 --time-budget-s 540
-    python -m dspark.train --out runs/smollm2 --device cuda --steps 3000 --time-budget-s 540 --resume
+    python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 840  # the shipped drafter's run
+    python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 540 --resume
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
 
 The target is frozen; the drafter shares its embedding and LM head (frozen too). Each step:
@@ -69,10 +69,10 @@ MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
 @dataclass
 class TrainConfig:
     """The recipe: everything that decides the trained weights (a resumed run must match it)."""
-    steps: int = 3000
-    batch_size: int = 16  # sequences per step
+    steps: int = 6000
+    batch_size: int = 64  # sequences per step
     num_anchors: int = 64  # blocks per sequence (fewer when the response is shorter)
-    lr: float = 6e-4
+    lr: float = 1e-3
     warmup: float = 0.04  # fraction of the steps
     grad_clip: float = 1.0
     ce_weight: float = 0.1
@@ -303,8 +303,8 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-# What torch.compile covers in a training step: nothing, the per-slot loss over the vocabulary (the
-# default on the GPU), or the whole step's forward: the target's and each drafter's, loss included.
+# What torch.compile covers in a training step: nothing, the per-slot loss over the vocabulary, or
+# the whole step's forward (the default on the GPU): the target's and each drafter's, loss included.
 COMPILE_MODES = ("none", "loss", "all")
 
 
@@ -319,9 +319,9 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
                    compile: str | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats]]:
     """(student, loss, stats) for every student on `batch`, one student at a time, so that a caller
     can backpropagate one loss before the next student's forward. The target runs once.
-    `compile`: one of COMPILE_MODES (default: "loss" on the GPU, "none" on the CPU)."""
+    `compile`: one of COMPILE_MODES (default: "all" on the GPU, "none" on the CPU)."""
     device = target.embed_tokens.weight.device
-    compile = compile or ("loss" if device.type == "cuda" else "none")
+    compile = compile or ("all" if device.type == "cuda" else "none")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     whole = compile == "all"
@@ -515,17 +515,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
-    p.add_argument("--responses-per-prompt", type=int, default=2,
+    p.add_argument("--responses-per-prompt", type=int, default=6,
                    help="target responses per prompt: the first greedy, the others at temperature 1")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
-    p.add_argument("--max-tokens", type=int, default=256, help="response length limit")
-    p.add_argument("--gen-batch-size", type=int, default=256, help="prompts per generation batch")
+    p.add_argument("--max-tokens", type=int, default=192, help="response length limit")
+    p.add_argument("--gen-batch-size", type=int, default=2048, help="prompts per generation batch")
     p.add_argument("--heldout-prompts", type=int, default=None,
                    help="held-out prompts (answered twice, never trained on) whose teacher-forced estimates "
                         "are logged (default: all; 0: none)")
     p.add_argument("--heldout-every", type=int, default=500, help="held-out estimate interval in steps")
     p.add_argument("--compile", choices=COMPILE_MODES, default=None,
-                   help="what torch.compile covers in a step (default: the loss on the GPU, nothing on the CPU)")
+                   help="what torch.compile covers in a step (default: all of it on the GPU, nothing on the CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu"
