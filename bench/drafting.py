@@ -16,6 +16,7 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
     python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
     python bench/drafting.py --tiles 4096x1 2048x2             # also these step tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
+    python bench/drafting.py --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import triton
 
 from dspark.drafting import ancestral_draft
 from dspark.markov import VanillaMarkov
-from timing import emit_table, median_us
+from timing import emit_table, median_us, print_profile
 
 
 def stream_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -60,8 +61,9 @@ def floor_bytes(batch, positions, vocab, rank) -> int:
     return markov + block * (2 + 4 + 4 + 4)
 
 
-def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], float]:
-    """Per batch size: µs of each variant (keys in table order) and the floor."""
+def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list[dict], float]:
+    """Per batch size: µs of each variant (keys in table order) and the floor; with `profile`, the
+    kernels of that many eager dspark blocks at the last batch size are printed."""
     torch.manual_seed(0)
     head = VanillaMarkov(vocab, rank).to(device, torch.bfloat16)
     bandwidth = stream_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
@@ -76,9 +78,12 @@ def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], flo
         draft_probs = torch.empty(batch, positions, vocab, device=device)
         prev_embedding = head.markov_w1(anchor)
 
+        def block(**kwargs):
+            return ancestral_draft(logits, None, head, anchor, temperature, seed, offset, slots,
+                                   draft_probs, **kwargs)
+
         def dspark(**kwargs):
-            return median_us(lambda: ancestral_draft(logits, None, head, anchor, temperature, seed,
-                                                     offset, slots, draft_probs, **kwargs), device)
+            return median_us(lambda: block(**kwargs), device)
 
         with torch.inference_mode():
             row = {
@@ -91,6 +96,10 @@ def run(batches, positions, vocab, rank, tiles, device) -> tuple[list[dict], flo
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
         rows.append(row)
+    if profile:
+        with torch.inference_mode():
+            print(f"dspark at B = {batches[-1]}, eager:")
+            print_profile([block] * profile, device, unit="block")
     return rows, bandwidth
 
 
@@ -121,6 +130,8 @@ def main():
     parser.add_argument("--rank", type=int, default=256)
     parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
                         help="also time ancestral_draft with these step tiles (block_v, block_b)")
+    parser.add_argument("--profile", type=int, default=0, metavar="BLOCKS",
+                        help="also profile this many eager dspark blocks at the last batch size")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     if args.smoke:
@@ -130,7 +141,7 @@ def main():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, batches, positions, vocab, rank = (torch.device("cuda"), args.batches,
                                                    args.positions, args.vocab, args.rank)
-    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, device)
+    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, device, args.profile)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"Drafting alone: B x {positions} x {vocab} bfloat16 logits, rank-{rank} vanilla "
               f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."

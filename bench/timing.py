@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks: median microseconds of a call, by CUDA-graph replays
-on GPU (captured after a warm-up on a side stream) or by wall clock on CPU; and the table output."""
+on GPU (captured after a warm-up on a side stream) or by wall clock on CPU; the torch profiler's
+view of some calls; and the table output."""
 from __future__ import annotations
 
 import statistics
@@ -44,3 +45,29 @@ def emit_table(lines: list[str], out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             f.write(table + "\n")
+
+
+def print_profile(calls, device: torch.device, unit: str = "step") -> None:
+    """The torch profiler's view of `calls` (functions of no argument, each one `unit`, run
+    eagerly): the kernels (or CPU ops) that took the most device time, and device vs host time
+    per call."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for call in calls:
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    n = len(calls)
+    wall_ms = 1000 * (time.perf_counter() - began) / n
+    events = prof.key_averages()
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1000 / n
+    host_ms = sum(e.self_cpu_time_total for e in events) / 1000 / n
+    print(f"profile of {n} {unit}s: {wall_ms:.3f} ms wall, {device_ms:.3f} ms of device kernels, "
+          f"{host_ms:.3f} ms of host ops per {unit} (profiler overhead included)")
+    print(events.table(sort_by=sort_by, row_limit=12, max_name_column_width=60))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import time
 
 import torch
@@ -29,7 +30,7 @@ from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel
 from dspark.train import TrainConfig, default_drafter_config, make_batch, make_student, train_step
-from timing import emit_table
+from timing import emit_table, print_profile
 
 SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
@@ -122,31 +123,8 @@ def main():
                 "|---|---|---|---|---|---|---|", *rows], args.out)
     for name, run in runs.items() if args.profile else ():
         print(f"\n{name}, batch size {batch_sizes[-1]}:")
-        print_profile(run, args.profile, warmup + steps, device)
-
-
-def print_profile(run, steps, first_step, device) -> None:
-    """The torch profiler's view of `steps` more steps of `run`: the kernels (or CPU ops) that took
-    the most device time, and device vs host time per step."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        for step in range(first_step, first_step + steps):
-            run(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    wall_ms = 1000 * (time.perf_counter() - began) / steps
-    events = prof.key_averages()
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
-    device_ms = sum(e.self_device_time_total for e in kernels) / 1000 / steps
-    host_ms = sum(e.self_cpu_time_total for e in events) / 1000 / steps
-    print(f"profile of {steps} steps: {wall_ms:.1f} ms wall, {device_ms:.1f} ms of device kernels, "
-          f"{host_ms:.1f} ms of host ops per step (profiler overhead included)")
-    print(events.table(sort_by=sort_by, row_limit=12, max_name_column_width=60))
+        print_profile([functools.partial(run, step) for step in range(warmup + steps, warmup + steps + args.profile)],
+                      device)
 
 
 if __name__ == "__main__":
