@@ -54,44 +54,44 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
                  index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream, batch, vocab_size,
                  num_positions, logits_row_stride, logits_pos_stride, HAS_BIAS: tl.constexpr,
                  BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (row tile, vocabulary tile), on [BLOCK_B, BLOCK_V / 4, 4] tiles: the four
-    tokens of a Philox counter in one thread (philox.token_words)."""
+    """One program per (row tile, vocabulary tile)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
-    counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
-    tokens = (counters[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
+    tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     is_row = rows < batch
-    inside = is_row[:, None, None] & (tokens < vocab_size)
-    row64 = rows.to(tl.int64)[:, None, None]
+    inside = is_row[:, None] & (tokens < vocab_size)[None, :]
+    row64 = rows.to(tl.int64)[:, None]
 
-    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens,
+    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
                    mask=inside, other=0.0).to(tl.float32)
     biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
     if HAS_BIAS:
-        biased += tl.load(bias_ptr + row64 * vocab_size + tokens, mask=inside, other=0.0).to(tl.float32)
-    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens, biased, mask=inside)
+        biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
+                          other=0.0).to(tl.float32)
+    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
+             mask=inside)
 
     temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
     greedy = temperature == 0.0
     inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
-    x = tl.where(inside, biased * inverse[:, None, None], float("-inf"))  # proposal.py scales the same way
-    m = tl.max(x.reshape(BLOCK_B, BLOCK_V), 1)
-    p = fast_exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None, None])  # flushed below 2^-126: no effect
+    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
+    m = tl.max(x, 1)
+    p = fast_exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # flushed below 2^-126: no effect
 
+    counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
     streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
     seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
     offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
     e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None, None], x, fast_divide(p, e))  # x: biased or -inf for greedy rows
-    best, index = tl.max(score.reshape(BLOCK_B, BLOCK_V), 1, return_indices=True,
-                         return_indices_tie_break_left=True)
+    score = tl.where(greedy[:, None], x, fast_divide(p, e))  # x: biased or -inf for greedy rows
+    best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
     best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
 
     out = rows * tl.num_programs(1) + tile
     tl.store(best_ptr + out, best, mask=is_row)
     tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
     tl.store(chunk_max_ptr + out, m, mask=is_row)
-    tl.store(chunk_sum_ptr + out, tl.sum(p.reshape(BLOCK_B, BLOCK_V), 1), mask=is_row)
+    tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
 
 
 def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_v, block_b, best,

@@ -76,12 +76,9 @@ def philox(seed, offset, counter, stream):
 
 @triton.jit
 def token_words(seed, offset, counter, stream):
-    """The words of tokens 4 c + j for the counters c [..., N]: [..., N, 4] uint32, element [.., i, j]
-    token 4 c_i + j's. Each thread then holds a counter's four tokens, as it holds four neighbouring
-    logits of a vectorized load: a kernel that computes on [..., N, 4] tiles moves no data between
-    threads (flattened to [..., 4 N], the words land in another layout than the loads)."""
+    """The words of tokens 4 c + j (j = 0..3) for the counters c [..., N]: [..., 4 N] uint32."""
     w0, w1, w2, w3 = philox(seed, offset, counter, stream)
-    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape(w0.shape + [4])
+    return tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
 
 
 @triton.jit
@@ -105,7 +102,7 @@ def exponential(u):
 
 @triton.jit
 def token_exponentials(seed, offset, counter, stream):
-    """Exp(1) noise of tokens 4 c + j for the counters c [..., N]: [..., N, 4] float32 (as token_words)."""
+    """Exp(1) noise of tokens 4 c + j (j = 0..3) for the counters c [..., N]: [..., 4 N] float32."""
     return exponential(uniform(token_words(seed, offset, counter, stream)))
 
 

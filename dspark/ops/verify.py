@@ -276,7 +276,7 @@ def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, se
         scale = tl.where(n < K, tl.load(rho_ptr + row), 1.0)
     w = tl.maximum(scale * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
     counters = c * (CHUNK // 4) + tl.arange(0, CHUNK // 4)
-    e = token_exponentials(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM).reshape(CHUNK)
+    e = token_exponentials(tl.load(seed_ptr + b), tl.load(offset_ptr + b), counters, n + TARGET_STREAM)
     score_w = tl.where(w > 0, fast_divide(w, e), float("-inf"))
     score_p = tl.where(p > 0, fast_divide(p, e), float("-inf"))
     best_w, arg_w = tl.max(score_w, 0, return_indices=True, return_indices_tie_break_left=True)

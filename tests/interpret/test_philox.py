@@ -15,7 +15,7 @@ def _draw_kernel(seed_ptr, offset_ptr, word_ptr, uniform_ptr, exponential_ptr, s
                  ROWS: tl.constexpr, N: tl.constexpr):
     rows = tl.arange(0, ROWS)[:, None]
     counters = tl.arange(0, N // 4)[None, :]
-    tokens = rows[:, :, None] * N + (counters[:, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    tokens = rows * N + tl.arange(0, N)[None, :]
     words = philox.token_words(tl.load(seed_ptr + rows), tl.load(offset_ptr + rows), counters,
                                counters * 0 + stream_id)
     u = philox.uniform(words)
