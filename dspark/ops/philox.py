@@ -93,11 +93,11 @@ def exponential(u):
     bits = v.to(tl.int32, bitcast=True)
     k = (bits - _M_LOW_BITS) >> 23  # v = m 2^k, m in [0.75, 1.5)
     m = (bits - (k << 23)).to(tl.float32, bitcast=True)
-    numerator = tl.where(u < 0.25, u, 1.0 - m)
-    s = fast_divide(numerator, 2.0 - numerator)  # 2 - (1 - m) = 1 + m, both rounded once
+    small = u < 0.25
+    s = fast_divide(tl.where(small, u, 1.0 - m), tl.where(small, 2.0 - u, m + 1.0))  # den in [1.75, 2.5]
     s2 = s * s
-    twice = s + s
-    return twice + twice * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9)))) - k.to(tl.float32) * _LN2
+    atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
+    return 2.0 * atanh - k.to(tl.float32) * _LN2  # k = 0 for u < 1/4
 
 
 @triton.jit
@@ -160,11 +160,11 @@ def exponential_torch(u: torch.Tensor) -> torch.Tensor:
     bits = v.view(torch.int32)
     k = (bits - M_LOW_BITS) >> 23
     m = (bits - (k << 23)).view(torch.float32)
-    numerator = torch.where(u < 0.25, u, 1.0 - m)
-    s = numerator / (2.0 - numerator)
+    small = u < 0.25
+    s = torch.where(small, u, 1.0 - m) / torch.where(small, 2.0 - u, m + 1.0)
     s2 = s * s
-    twice = s + s
-    return twice + twice * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9)))) - k.float() * LN2
+    atanh = s + s * s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
+    return 2.0 * atanh - k.float() * LN2  # k = 0 for u < 1/4
 
 
 def token_exponentials_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,
