@@ -1,13 +1,17 @@
 # The two commands a newcomer needs (see README): `make run` and `make test`.
 PY := .venv/bin/python
+PORT ?= 8000
 PROMPT ?= Write a haiku about speculative decoding.
 
-.PHONY: setup run test test-gpu
+.PHONY: setup run chat test test-gpu
 
 setup:
 	bash scripts/setup.sh
 
 run: setup
+	$(PY) -m dspark.serve --port $(PORT)
+
+chat: setup
 	$(PY) -m dspark.generate --chat --prompt "$(PROMPT)"
 
 test:

@@ -32,6 +32,7 @@ class GenerationResult:
     accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft k was accepted
     num_steps: int = 0  # decode steps after the prefill
     finish_reason: str = "length"  # "stop" (stop token or string) or "length" (max_tokens)
+    finished: bool = False
 
 
 class StopCondition:
@@ -60,6 +61,19 @@ class StopCondition:
         if len(tokens) >= self.max_tokens:
             return "length"
         return None
+
+    def extend(self, result: GenerationResult, new: list[int]) -> list[int]:
+        """Appends `new` to result.tokens one token at a time until the request is finished (then
+        sets result.finish_reason and result.finished); returns the tokens it took."""
+        taken = []
+        for token in new:
+            result.tokens.append(token)
+            taken.append(token)
+            reason = self.finished(result.tokens)
+            if reason is not None:
+                result.finish_reason, result.finished = reason, True
+                break
+        return taken
 
 
 class SpeculativeDecoder:
@@ -110,6 +124,11 @@ class SpeculativeDecoder:
     @property
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
+
+    def stop_condition(self, params: SamplingParams) -> StopCondition:
+        """The stop condition of a request: its stops, max_tokens, and the model's EOS tokens."""
+        eos = set(self.target.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        return StopCondition(params, sorted(eos), self.tokenizer)
 
     # ------------------------------------------------------------------ the static step
 
@@ -184,8 +203,7 @@ class SpeculativeDecoder:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-        eos = set(self.target.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        stops = [StopCondition(p, sorted(eos), self.tokenizer) for p in params]
+        stops = [self.stop_condition(p) for p in params]
         results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
 
         batch, device = len(prompts), self.device
@@ -225,24 +243,26 @@ class SpeculativeDecoder:
             start = torch.where(keep, next_start, start)
         return results
 
-    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors):
-        """Runs the prompts through the target into their cache rows (prompts of one length
-        together) and fills the drafter's context, then draws every request's first token.
-        Returns those tokens [B] and their positions [B]."""
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors, rows: list[int] | None = None):
+        """Runs the prompts through the target into their cache rows (default 0 .. n-1; prompts of
+        one length together) and fills the drafter's context, then draws every request's first
+        token (`sampling`: the prompts' rows). Returns those tokens [n] and their positions [n]."""
         device = self.device
+        rows = list(range(len(prompts))) if rows is None else rows
         last_logits = torch.empty(len(prompts), 1, self.target.config.vocab_size, device=device)
         by_length: dict[int, list[int]] = {}
-        for row, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(row)
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
         for length, group in by_length.items():
-            rows = torch.tensor(group, device=device)
-            ids = torch.tensor([prompts[r] for r in group], device=device)
+            cache_rows = torch.tensor([rows[i] for i in group], device=device)
+            ids = torch.tensor([prompts[i] for i in group], device=device)
             positions = torch.arange(length, device=device).expand(len(group), length)
             last = torch.full((len(group), 1), length - 1, device=device)
-            logits, hidden = self.target(ids, positions, rows=rows, hidden_layer_ids=self.layer_ids, logits_at=last)
+            logits, hidden = self.target(ids, positions, rows=cache_rows, hidden_layer_ids=self.layer_ids,
+                                         logits_at=last)
             if self.drafter is not None:
-                self.drafter.append_context(hidden, positions, rows=rows)
-            last_logits[rows] = logits
+                self.drafter.append_context(hidden, positions, rows=cache_rows)
+            last_logits[torch.tensor(group, device=device)] = logits
         start = torch.tensor([len(p) for p in prompts], device=device)
         no_drafts = torch.empty(len(prompts), 0, dtype=torch.long, device=device)
         no_probs = torch.empty(len(prompts), 0, last_logits.shape[-1], device=device)
@@ -251,17 +271,10 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _emit(i: int, new: list[int], results, stops, active, on_tokens) -> int:
-        """Appends request i's new tokens one at a time until its stop condition holds; returns
-        how many it took."""
-        out, taken = results[i], []
-        for token in new:
-            out.tokens.append(token)
-            taken.append(token)
-            reason = stops[i].finished(out.tokens)
-            if reason is not None:
-                out.finish_reason = reason
-                active[i] = False
-                break
+        """Appends request i's new tokens until its stop condition holds; returns how many it took."""
+        taken = stops[i].extend(results[i], new)
+        if results[i].finished:
+            active[i] = False
         if on_tokens is not None and taken:
             on_tokens(i, taken)
         return len(taken)

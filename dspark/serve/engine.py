@@ -1,0 +1,204 @@
+"""The serving engine: continuous batching of requests over a fixed set of batch slots.
+
+Each slot is one row of the target's KV cache, the drafter's context cache and the step's static
+tensors. A request is admitted into a free slot between steps (its prompt prefilled into that
+row, its first token drawn), decodes in every step with the other slots (one SpeculativeDecoder
+step: the target verifies K drafts per row and the drafter drafts the next K), and leaves its slot
+when it stops. Free slots stay in the batch frozen (the same inputs at the same positions), so the
+step keeps its shapes.
+
+A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn
+at submission when the request has none), so its output does not depend on its slot or on the
+other requests in the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.decoder import GenerationResult, SpeculativeDecoder, StopCondition
+from dspark.sampling import MAX_SEED, SamplingParams, SamplingTensors
+
+IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a free slot's frozen row
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request and its output so far. `events` receives lists of new tokens as the
+    engine accepts them, then None when the request has finished (or an exception if it failed)."""
+    prompt: list[int]
+    params: SamplingParams
+    id: str = field(default_factory=lambda: f"{next(_ids)}")
+    result: GenerationResult = field(default_factory=GenerationResult)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    stop: StopCondition | None = None
+    cancelled: bool = False  # set by the client's side (it went away): the engine frees the slot
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, read by the metrics endpoint."""
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    drafts: int = 0  # verified draft blocks (one per active row and step)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    time_to_first_token_s: float = 0.0  # sum over requests
+
+
+class Engine:
+    """Runs `decoder` over `max_batch` slots. submit() from any thread; run() in one thread."""
+
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_model_len: int | None = None):
+        config = decoder.target.config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        if not 1 <= self.max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [1, {config.max_position_embeddings}], "
+                             f"got {self.max_model_len}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.decoder, self.max_batch = decoder, max_batch
+        k, device = decoder.k, decoder.device
+        cache_len = self.max_model_len + k + 2
+        decoder.target.setup_caches(max_batch, cache_len)
+        if decoder.drafter is not None:
+            decoder.drafter.setup_caches(max_batch, cache_len)
+        self.tokens = torch.zeros(max_batch, k + 1, dtype=torch.long, device=device)  # [anchor, drafts]
+        self.start = torch.zeros(max_batch, dtype=torch.long, device=device)  # the anchor's position
+        self.draft_probs = torch.zeros(max_batch, k, config.vocab_size, device=device)
+        self.slots: list[Request | None] = [None] * max_batch
+        self.params = [IDLE] * max_batch
+        self.sampling = SamplingTensors.from_params(self.params, device)
+        self.waiting: queue.Queue[Request] = queue.Queue()
+        self.stats = EngineStats(accepted_per_position=[0] * k)
+        self.stopped = threading.Event()
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> Request:
+        """Queues a request; raises ValueError (naming the value) for one the engine cannot serve."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        vocab = self.decoder.target.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
+                             f"maximum model length {self.max_model_len}")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=random.SystemRandom().randrange(MAX_SEED))
+        request = Request(list(prompt), params,
+                          result=GenerationResult(accepted_per_position=[0] * self.decoder.k))
+        request.stop = self.decoder.stop_condition(params)
+        self.waiting.put(request)
+        return request
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        self.waiting.put(None)  # wakes run()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """Admits and steps until shutdown(); a failing step fails the requests it carried."""
+        while not self.stopped.is_set():
+            try:
+                self._admit(block=not any(self.slots))
+                if any(self.slots):
+                    self._step()
+            except Exception as error:  # noqa: BLE001 - reported to every request in flight
+                for row, request in enumerate(self.slots):
+                    if request is not None:
+                        request.events.put(error)
+                        self.slots[row] = None
+                raise
+
+    def _admit(self, block: bool) -> None:
+        """Moves waiting requests into free slots: prefill, first token, then the block's drafts."""
+        free = [row for row, request in enumerate(self.slots) if request is None]
+        new: list[Request] = []
+        while len(new) < len(free):
+            try:
+                request = self.waiting.get(block=block and not new)
+            except queue.Empty:
+                break
+            if request is None:  # shutdown
+                return
+            new.append(request)
+        if not new:
+            return
+        rows = free[:len(new)]
+        for row, request in zip(rows, new):
+            self.slots[row], self.params[row] = request, request.params
+        device = self.decoder.device
+        first, start = self.decoder._prefill([r.prompt for r in new],
+                                             SamplingTensors.from_params([r.params for r in new], device), rows)
+        index = torch.tensor(rows, device=device)
+        self.tokens[index, 0], self.start[index] = first, start
+        for row, request, token in zip(rows, new, first.tolist()):
+            request.first_token_at = time.monotonic()
+            self.stats.prompt_tokens += len(request.prompt)
+            self.stats.time_to_first_token_s += request.first_token_at - request.arrival
+            self._emit(row, [token])
+        self.sampling = SamplingTensors.from_params(self.params, device)
+        if self.decoder.drafter is not None:  # every row's drafts again: the same for the rows in flight
+            self.tokens[:, 1:] = self.decoder._draft(self.tokens[:, 0], self.start, self.draft_probs, self.sampling)
+
+    def _step(self) -> None:
+        emitted, num_accepted, next_tokens, next_start = self.decoder.step(
+            self.tokens, self.start, self.draft_probs, self.sampling)
+        emitted, num_accepted = emitted.cpu(), num_accepted.cpu()
+        stats, k = self.stats, self.decoder.k
+        stats.steps += 1
+        for row, request in enumerate(self.slots):
+            if request is None:
+                continue
+            if request.cancelled:
+                request.result.finish_reason = "abort"
+                self._free(row)
+                continue
+            n = int(num_accepted[row])
+            request.result.num_steps += 1
+            taken = self._emit(row, emitted[row, :n + 1].tolist())
+            accepted = min(n, taken)  # drafts that a stop did not cut off
+            for pos in range(accepted):
+                request.result.accepted_per_position[pos] += 1
+                stats.accepted_per_position[pos] += 1
+            if k:
+                stats.drafts += 1
+                stats.draft_tokens += k
+                stats.accepted_tokens += accepted
+        keep = torch.tensor([r is not None for r in self.slots], device=self.tokens.device)  # the rest: frozen
+        self.tokens = torch.where(keep[:, None], next_tokens, self.tokens)
+        self.start = torch.where(keep, next_start, self.start)
+
+    def _emit(self, row: int, new: list[int]) -> int:
+        """Hands the request in `row` its new tokens up to its stop; frees the slot when it stops."""
+        request = self.slots[row]
+        taken = request.stop.extend(request.result, new)
+        self.stats.generation_tokens += len(taken)
+        if taken:
+            request.events.put(taken)
+        if request.result.finished:
+            self._free(row)
+        return len(taken)
+
+    def _free(self, row: int) -> None:
+        self.slots[row].events.put(None)
+        self.slots[row], self.params[row] = None, IDLE
+        self.stats.requests_finished += 1

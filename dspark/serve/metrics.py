@@ -1,0 +1,32 @@
+"""Prometheus text exposition of the engine's counters, with vLLM's metric names under the
+`dspark:` prefix (so that scrapers written for vLLM's speculative-decoding metrics find them)."""
+from __future__ import annotations
+
+from dspark.serve.engine import Engine
+
+
+def prometheus_text(engine: Engine, model: str) -> str:
+    stats, label = engine.stats, f'model_name="{model}"'
+    running = sum(request is not None for request in engine.slots)
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, value, labels: str = label) -> None:
+        lines.extend([f"# HELP dspark:{name} {help_text}", f"# TYPE dspark:{name} {kind}",
+                      f"dspark:{name}{{{labels}}} {value}"])
+
+    metric("num_requests_running", "gauge", "Requests in a batch slot.", running)
+    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.waiting.qsize())
+    metric("request_success_total", "counter", "Finished requests.", stats.requests_finished)
+    metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
+    metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
+    metric("num_decode_steps_total", "counter", "Decode steps of the whole batch.", stats.steps)
+    metric("time_to_first_token_seconds_sum", "counter", "Sum over requests of the time from arrival to the "
+           "first token.", round(stats.time_to_first_token_s, 6))
+    metric("spec_decode_num_drafts_total", "counter", "Draft blocks verified.", stats.drafts)
+    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", stats.draft_tokens)
+    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", stats.accepted_tokens)
+    name = "spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP dspark:{name} Draft tokens accepted at each position of the block.",
+              f"# TYPE dspark:{name} counter"]
+    lines += [f'dspark:{name}{{{label},position="{i}"}} {n}' for i, n in enumerate(stats.accepted_per_position)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,200 @@
+"""The OpenAI API's request and response shapes: /v1/completions and /v1/chat/completions.
+
+Requests are validated here; anything malformed or unsupported raises BadRequest with a message
+that names the parameter (the server answers 400), never a silent default. Supported: model,
+prompt (one string or one list of token ids) / messages, max_tokens (chat: also
+max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+n = 1, stream, stream_options.include_usage, user.
+"""
+from __future__ import annotations
+
+import time
+
+from dspark.decoder import GenerationResult
+from dspark.sampling import SamplingParams
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "functions",
+               "response_format", "prompt_logprobs")
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+          "ignore_eos", "n", "stream", "stream_options", "user", *UNSUPPORTED}
+COMPLETION_KEYS = COMMON | {"prompt"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
+                          "code": None}}
+
+
+def _number(body: dict, key: str, default, kind=float, low=None, high=None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise BadRequest(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise BadRequest(f"{key} must be in [{low}, {high}], got {value!r}", key)
+    return kind(value)
+
+
+def _check_keys(body: dict, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for key in body:
+        if key not in allowed:
+            raise BadRequest(f"unknown parameter {key!r}", key)
+        if key in UNSUPPORTED and body[key] not in (None, False, 0, [], {}):
+            raise BadRequest(f"{key} is not supported by this server", key)
+    if _number(body, "n", 1, int, 1) != 1:
+        raise BadRequest("n must be 1: one completion per request", "n")
+    for key in ("stream", "ignore_eos"):
+        if not isinstance(body.get(key, False), bool):
+            raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
+
+
+def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1)."""
+    max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
+    max_tokens = default_max_tokens if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens",
+                                                                       None, int, 1)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or
+                                 (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in stop_token_ids)):
+        raise BadRequest(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}", "stop_token_ids")
+    try:
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+            top_k=_number(body, "top_k", 0, int, 0),
+            min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
+            seed=_number(body, "seed", None, int, 0, 2**63 - 1),
+            max_tokens=max_tokens, stop=stop or None, stop_token_ids=stop_token_ids,
+            ignore_eos=body.get("ignore_eos", False))
+    except BadRequest:
+        raise
+    except ValueError as error:  # SamplingParams names the value (e.g. top_p = 0)
+        raise BadRequest(str(error)) from error
+
+
+def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
+    _check_keys(body, COMPLETION_KEYS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    else:
+        raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt "
+                         f"per request), got {prompt!r:.80}", "prompt")
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's "off"
+        body = {**body, "top_k": 0}
+    return ids, sampling_params(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+
+
+def _message_text(message, index: int) -> tuple[str, str]:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES}, got {message!r:.80}",
+                         "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise BadRequest(f"messages[{index}].content: only text parts are supported", "messages")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{index}].content must be a string, got {content!r:.80}", "messages")
+    return message["role"], content
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
+    _check_keys(body, CHAT_KEYS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    messages = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if body.get("top_k") == -1:
+        body = {**body, "top_k": 0}
+    return ids, sampling_params(body, "max_completion_tokens", max(1, max_model_len - len(ids)))
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise BadRequest(f"model {model!r} is not served here; this server serves {served!r}", "model")
+
+
+class TextStream:
+    """The text of a request's tokens as it grows: stop tokens left out, a stop string and what
+    follows it cut, and held back while it could still be the start of a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str], stop_ids: set[int]):
+        self.tokenizer, self.stop, self.stop_ids = tokenizer, stop, stop_ids
+        self.sent = 0
+
+    def text(self, tokens: list[int]) -> str:
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def delta(self, tokens: list[int], finished: bool) -> str:
+        text = self.text(tokens)
+        end = len(text)
+        if not finished:
+            end -= max((len(s) - 1 for s in self.stop), default=0)
+            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+        delta, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return delta
+
+
+def usage(prompt_tokens: int, result: GenerationResult) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
+            "total_tokens": prompt_tokens + len(result.tokens)}
+
+
+def speculation(result: GenerationResult) -> dict:
+    """Per-request acceptance, as vLLM reports it under metrics.speculative_decoding."""
+    accepted = sum(result.accepted_per_position)
+    return {"num_drafts": result.num_steps, "num_accepted_tokens": accepted,
+            "accepted_per_position": result.accepted_per_position,
+            "mean_acceptance_length": round(1 + accepted / result.num_steps, 4) if result.num_steps else None}
+
+
+def completion_response(kind: str, request_id: str, model: str, text: str, result: GenerationResult,
+                        prompt_tokens: int) -> dict:
+    choice = {"index": 0, "finish_reason": result.finish_reason}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, result), "metrics": {"speculative_decoding": speculation(result)}}
+
+
+def chunk(kind: str, request_id: str, model: str, text: str | None, finish_reason: str | None,
+          role: bool = False) -> dict:
+    """One streamed chunk: text (None with role=True for the chat's opening chunk)."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}

@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP server over an Engine (standard library only).
+
+    POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
+    GET  /v1/models, /health, /metrics (Prometheus text), /version
+
+Each HTTP request runs in its own thread and waits on its engine request's events; the engine
+runs in one thread of its own. Errors are JSON objects in OpenAI's shape: 400 for a request the
+server cannot serve (the message names the parameter), 404 / 405 for a wrong path or method, 503
+when the engine has stopped.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from dspark.serve import openai
+from dspark.serve.engine import Engine, Request
+from dspark.serve.metrics import prometheus_text
+
+VERSION = "0.1.0"
+MAX_BODY_BYTES = 1 << 22
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], engine: Engine, tokenizer, model_name: str):
+        super().__init__(address, Handler)
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.engine_thread = threading.Thread(target=engine.run, name="dspark-engine", daemon=True)
+
+    def start_engine(self) -> None:
+        self.engine_thread.start()
+
+    def server_close(self) -> None:
+        self.engine.shutdown()
+        super().server_close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # one line per request, as http.server does, without the noise
+        pass
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, status: int, body, content_type: str = "application/json") -> None:
+        data = (json.dumps(body) if content_type == "application/json" else body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    def _read_json(self):
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise openai.BadRequest("a JSON body with a Content-Length header is required")
+        if int(length) > MAX_BODY_BYTES:
+            raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except ValueError as error:
+            raise openai.BadRequest(f"the body is not valid JSON: {error}") from error
+
+    # ------------------------------------------------------------------ routes
+
+    def do_GET(self):
+        server, path = self.server, self.path.split("?")[0]
+        if path == "/health":
+            alive = server.engine_thread.is_alive()
+            self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,
+                       {"status": "ok" if alive else "engine stopped"})
+        elif path == "/v1/models":
+            self._send(HTTPStatus.OK, {"object": "list", "data": [
+                {"id": server.model_name, "object": "model", "owned_by": "dspark",
+                 "max_model_len": server.engine.max_model_len}]})
+        elif path == "/metrics":
+            self._send(HTTPStatus.OK, prometheus_text(server.engine, server.model_name),
+                       "text/plain; version=0.0.4")
+        elif path == "/version":
+            self._send(HTTPStatus.OK, {"version": VERSION})
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST")
+        else:
+            self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
+
+    def do_POST(self):
+        server, path = self.server, self.path.split("?")[0]
+        kinds = {"/v1/completions": "text", "/v1/chat/completions": "chat"}
+        if path not in kinds:
+            self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
+            return
+        kind = kinds[path]
+        try:
+            body = self._read_json()
+            if kind == "chat":
+                prompt, params = openai.parse_chat(body, server.tokenizer, server.engine.max_model_len)
+            else:
+                prompt, params = openai.parse_completion(body, server.tokenizer)
+            openai.check_model(body, server.model_name)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if not server.engine_thread.is_alive():
+                self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the engine has stopped", "server_error")
+                return
+            request = server.engine.submit(prompt, params)
+        except openai.BadRequest as error:
+            self._send(HTTPStatus.BAD_REQUEST, error.body())
+            return
+        except ValueError as error:  # the engine's checks: lengths, token ids
+            self._error(HTTPStatus.BAD_REQUEST, str(error))
+            return
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id
+        text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids)
+        if body.get("stream"):
+            self._stream(kind, request_id, request, text, len(prompt), include_usage)
+        else:
+            self._complete(kind, request_id, request, text, len(prompt))
+
+    def _events(self, request: Request):
+        """The request's batches of new tokens until it finishes."""
+        while (event := request.events.get()) is not None:
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+    def _complete(self, kind, request_id, request, text, prompt_tokens):
+        try:
+            for _ in self._events(request):
+                pass
+        except Exception as error:  # noqa: BLE001 - the engine failed this request
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
+            return
+        self._send(HTTPStatus.OK, openai.completion_response(
+            kind, request_id, self.server.model_name, text.text(request.result.tokens), request.result,
+            prompt_tokens))
+
+    def _stream(self, kind, request_id, request, text, prompt_tokens, include_usage):
+        model = self.server.model_name
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def send(payload) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        try:
+            if kind == "chat":
+                send(openai.chunk(kind, request_id, model, None, None, role=True))
+            for _ in self._events(request):
+                delta = text.delta(request.result.tokens, request.result.finished)
+                if delta:
+                    send(openai.chunk(kind, request_id, model, delta, None))
+            send(openai.chunk(kind, request_id, model, None, request.result.finish_reason))
+            if include_usage:
+                send({**openai.chunk(kind, request_id, model, None, None), "choices": [],
+                      "usage": openai.usage(prompt_tokens, request.result),
+                      "metrics": {"speculative_decoding": openai.speculation(request.result)}})
+            send("[DONE]")
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: free its slot
+            request.cancelled = True
+        except Exception as error:  # noqa: BLE001 - the engine failed this request
+            send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})

@@ -1,0 +1,231 @@
+"""The serving engine and the OpenAI-compatible server.
+
+Engine: continuous batching is lossless and batch-invariant: every request, whatever joins or
+leaves the batch around it, gets exactly what it would get decoding alone (greedy: the target's own
+greedy tokens; sampled: the same tokens for the same seed), also when it is admitted mid-flight.
+Server: the endpoints' shapes, streaming that reassembles to the non-streamed text, stop strings
+cut as OpenAI cuts them, and a 400 that names the parameter for every request it cannot serve."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from dspark import SamplingParams, SpeculativeDecoder
+from dspark.loading import default_gguf_path
+from dspark.serve.engine import Engine
+from dspark.serve.server import Server
+from dspark.tokenizer import Tokenizer
+from test_decoder import target_greedy, tiny_pair
+
+
+def drain(engine: Engine, requests) -> None:
+    """Runs the engine in this thread until every request has finished."""
+    while not all(r.result.finished or r.cancelled for r in requests):
+        engine._admit(block=False)
+        if any(engine.slots):
+            engine._step()
+
+
+def decode_alone(target, drafter, prompt, params, k=4):
+    return SpeculativeDecoder(target, drafter, num_speculative_tokens=k).generate([prompt], params)[0].tokens
+
+
+@torch.inference_mode()
+def test_continuous_batching_greedy_equals_target_greedy_with_admission_mid_flight(one_thread):
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=64)
+    prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4], [8, 8, 1]]
+    lengths = [20, 6, 14, 9]
+    first = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+             for p, n in zip(prompts[:3], lengths[:3])]
+    engine._admit(block=False)
+    for _ in range(3):  # the short request leaves; the fourth joins the batch mid-flight
+        engine._step()
+    late = engine.submit(prompts[3], SamplingParams(temperature=0.0, max_tokens=lengths[3], ignore_eos=True))
+    requests = first + [late]
+    drain(engine, requests)
+    for request, prompt, n in zip(requests, prompts, lengths):
+        assert request.result.tokens == target_greedy(target, prompt, n)
+        assert request.result.finish_reason == "length" and request.events.queue[-1] is None
+    assert engine.stats.requests_finished == 4 and not any(engine.slots)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method):
+    """Noise is keyed by (seed, position): a sampled request's tokens do not depend on its slot or
+    its neighbours. Control: another seed gives other tokens."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = decoder.generate([[3, 1, 4]], params)[0].tokens
+    engine = Engine(decoder, max_batch=4, max_model_len=64)
+    others = [engine.submit([2, 7, 1, 8], SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True))
+              for n in (5, 11)]
+    engine._admit(block=False)
+    engine._step()
+    ours = engine.submit([3, 1, 4], params)
+    control = engine.submit([3, 1, 4], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99,
+                                                      ignore_eos=True))
+    drain(engine, others + [ours, control])
+    assert ours.result.tokens == alone
+    assert control.result.tokens != alone
+
+
+def test_submit_rejects_what_it_cannot_serve():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=32)
+    with pytest.raises(ValueError, match="exceeds the maximum model length 32"):
+        engine.submit([1] * 20, SamplingParams(max_tokens=13))
+    with pytest.raises(ValueError, match=r"outside \[0, 64\): \[64\]"):
+        engine.submit([1, 64], SamplingParams())
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(SpeculativeDecoder(target, drafter), max_model_len=10**9)
+
+
+@torch.inference_mode()
+def test_a_cancelled_request_leaves_its_slot():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    request = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine._admit(block=False)
+    engine._step()
+    request.cancelled = True
+    engine._step()
+    assert engine.slots == [None] and request.result.finish_reason == "abort"
+    assert request.events.queue[-1] is None
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The server on a random port: a tiny random target with the default model's tokenizer."""
+    tokenizer = Tokenizer.from_gguf(default_gguf_path())
+    target, drafter = tiny_pair(vocab=tokenizer.vocab_size, logit_std=1.0, block_size=4)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, tokenizer=tokenizer)
+    server = Server(("127.0.0.1", 0), Engine(decoder, max_batch=4, max_model_len=256), tokenizer, "tiny")
+    server.start_engine()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def call(server, path, body=None, raw: bytes | None = None):
+    """(status, parsed JSON or text) of a GET (body None) or POST."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def events(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_completion_streams_what_it_returns(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    status, whole = call(server, "/v1/completions", body)
+    assert status == 200 and whole["object"] == "text_completion" and whole["model"] == "tiny"
+    assert whole["usage"]["completion_tokens"] == 24 and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["metrics"]["speculative_decoding"]["num_drafts"] >= 1
+    status, text = call(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = events(text)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_chat_completion_and_its_stream(server):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_completion_tokens": 12, "temperature": 0.8, "seed": 7}
+    status, whole = call(server, "/v1/chat/completions", body)
+    assert status == 200 and whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["role"] == "assistant"
+    status, text = call(server, "/v1/chat/completions", {**body, "stream": True})
+    chunks = events(text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == whole["choices"][0]["message"]["content"]  # the same seed, the same tokens
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    body = {"prompt": "Count: 1 2 3", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    _, free = call(server, "/v1/completions", body)
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the tiny model's text has no printable stop candidate")  # not expected with seed 0
+    _, cut = call(server, "/v1/completions", {**body, "stop": [stop]})
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == text[:text.find(stop)]
+    _, text_stream = call(server, "/v1/completions", {**body, "stop": stop, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in events(text_stream)) == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "colour": "blue"}, "colour"),
+])
+def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, param):
+    status, answer = call(server, "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, raw, status, words", [
+    ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, None, 400, "maximum model length 256"),
+    ("/v1/completions", {"prompt": [1, 10**9]}, None, 400, "outside [0, 49152)"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "role"),
+    ("/v1/embeddings", {"input": "x"}, None, 404, "no route"),
+])
+def test_other_bad_requests(server, path, body, raw, status, words):
+    got, answer = call(server, path, body, raw)
+    assert got == status and words in answer["error"]["message"]
+
+
+def test_the_get_endpoints(server):
+    assert call(server, "/health") == (200, {"status": "ok"})
+    status, models = call(server, "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    assert call(server, "/v1/completions")[0] == 405
+    call(server, "/v1/completions", {"prompt": "metrics", "max_tokens": 3, "temperature": 0})
+    status, text = call(server, "/metrics")
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line and not line.startswith("#") and "position" not in line}
+    assert status == 200 and values["dspark:request_success_total"] >= 1
+    assert values["dspark:spec_decode_num_draft_tokens_total"] == 4 * values["dspark:spec_decode_num_drafts_total"]
+    assert values["dspark:generation_tokens_total"] >= 3
