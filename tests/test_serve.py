@@ -229,3 +229,20 @@ def test_the_get_endpoints(server):
     assert status == 200 and values["dspark:request_success_total"] >= 1
     assert values["dspark:spec_decode_num_draft_tokens_total"] == 4 * values["dspark:spec_decode_num_drafts_total"]
     assert values["dspark:generation_tokens_total"] >= 3
+
+
+def test_a_failing_step_fails_every_request_and_stops_the_engine():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    waiting = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    engine.decoder.step = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.run()
+    for request in (running, waiting):
+        assert isinstance(request.events.queue[-1], RuntimeError)
+    assert engine.stopped.is_set() and engine.slots == [None]

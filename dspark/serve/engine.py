@@ -115,17 +115,21 @@ class Engine:
 
     @torch.inference_mode()
     def run(self) -> None:
-        """Admits and steps until shutdown(); a failing step fails the requests it carried."""
+        """Admits and steps until shutdown(). If a step fails, every request in flight or waiting
+        receives the exception and the engine stops (raising it)."""
         while not self.stopped.is_set():
             try:
                 self._admit(block=not any(self.slots))
                 if any(self.slots):
                     self._step()
-            except Exception as error:  # noqa: BLE001 - reported to every request in flight
-                for row, request in enumerate(self.slots):
-                    if request is not None:
-                        request.events.put(error)
-                        self.slots[row] = None
+            except Exception as error:
+                self.stopped.set()
+                pending = [r for r in self.slots if r is not None]
+                while not self.waiting.empty():
+                    pending.append(self.waiting.get())
+                for request in filter(None, pending):
+                    request.events.put(error)
+                self.slots = [None] * self.max_batch
                 raise
 
     def _admit(self, block: bool) -> None:
