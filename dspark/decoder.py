@@ -148,7 +148,7 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return emitted, num_accepted, anchor[:, None], next_start
         self.drafter.append_context(hidden, positions)
-        drafts = self._draft(anchor, next_start, draft_probs, sampling)
+        drafts = self.draft(anchor, next_start, draft_probs, sampling)
         return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
@@ -164,8 +164,8 @@ class SpeculativeDecoder:
         return verify(logits, drafts, draft_probs, slots, sampling.temperature, sampling.seed, offset,
                       self.block_verify)
 
-    def _draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-               sampling: SamplingTensors) -> torch.Tensor:
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
+              sampling: SamplingTensors) -> torch.Tensor:
         """anchor, start: [B] -> drafts [B, K]; writes their proposals into draft_probs."""
         base_logits, hidden = self.drafter.forward_block(anchor, start)
         if sampling.all_greedy:
@@ -218,13 +218,13 @@ class SpeculativeDecoder:
         sampling = SamplingTensors.from_params(params, device)
         draft_probs = torch.zeros(batch, self.k, vocab, device=device)
 
-        anchor, start = self._prefill(prompts, sampling)
+        anchor, start = self.prefill(prompts, sampling)
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
             self._emit(i, [token], results, stops, active, on_tokens)
         tokens = anchor[:, None]
         if self.drafter is not None:
-            drafts = self._draft(anchor, start, draft_probs, sampling)
+            drafts = self.draft(anchor, start, draft_probs, sampling)
             tokens = torch.cat([tokens, drafts], dim=1)
 
         while active.any():
@@ -243,7 +243,7 @@ class SpeculativeDecoder:
             start = torch.where(keep, next_start, start)
         return results
 
-    def _prefill(self, prompts: list[list[int]], sampling: SamplingTensors, rows: list[int] | None = None):
+    def prefill(self, prompts: list[list[int]], sampling: SamplingTensors, rows: list[int] | None = None):
         """Runs the prompts through the target into their cache rows (default 0 .. n-1; prompts of
         one length together) and fills the drafter's context, then draws every request's first
         token (`sampling`: the prompts' rows). Returns those tokens [n] and their positions [n]."""

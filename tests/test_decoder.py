@@ -128,8 +128,8 @@ class MisstatedProposals(SpeculativeDecoder):
     """Negative control: drafts are drawn from the drafter's q, but verification is told they
     came from the uniform distribution."""
 
-    def _draft(self, anchor, start, draft_probs, sampling):
-        drafts = super()._draft(anchor, start, draft_probs, sampling)
+    def draft(self, anchor, start, draft_probs, sampling):
+        drafts = super().draft(anchor, start, draft_probs, sampling)
         draft_probs.fill_(1.0 / draft_probs.shape[-1])
         return drafts
 

@@ -150,7 +150,7 @@ class Engine:
         for row, request in zip(rows, new):
             self.slots[row], self.params[row] = request, request.params
         device = self.decoder.device
-        first, start = self.decoder._prefill([r.prompt for r in new],
+        first, start = self.decoder.prefill([r.prompt for r in new],
                                              SamplingTensors.from_params([r.params for r in new], device), rows)
         index = torch.tensor(rows, device=device)
         self.tokens[index, 0], self.start[index] = first, start
@@ -161,7 +161,7 @@ class Engine:
             self._emit(row, [token])
         self.sampling = SamplingTensors.from_params(self.params, device)
         if self.decoder.drafter is not None:  # every row's drafts again: the same for the rows in flight
-            self.tokens[:, 1:] = self.decoder._draft(self.tokens[:, 0], self.start, self.draft_probs, self.sampling)
+            self.tokens[:, 1:] = self.decoder.draft(self.tokens[:, 0], self.start, self.draft_probs, self.sampling)
 
     def _step(self) -> None:
         emitted, num_accepted, next_tokens, next_start = self.decoder.step(
