@@ -43,9 +43,6 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format, *args):  # one line per request, as http.server does, without the noise
-        pass
-
     # ------------------------------------------------------------------ plumbing
 
     def _send(self, status: int, body, content_type: str = "application/json") -> None:
@@ -97,6 +94,7 @@ class Handler(BaseHTTPRequestHandler):
         server, path = self.server, self.path.split("?")[0]
         kinds = {"/v1/completions": "text", "/v1/chat/completions": "chat"}
         if path not in kinds:
+            self.close_connection = True  # its body stays unread
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
             return
         kind = kinds[path]
@@ -113,6 +111,7 @@ class Handler(BaseHTTPRequestHandler):
                 return
             request = server.engine.submit(prompt, params)
         except openai.BadRequest as error:
+            self.close_connection = True  # the body may be unread (no or too large a length)
             self._send(HTTPStatus.BAD_REQUEST, error.body())
             return
         except ValueError as error:  # the engine's checks: lengths, token ids
