@@ -18,6 +18,7 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine
+from dspark.serve.openai import speculation
 from dspark.serve.server import Server
 from dspark.tokenizer import Tokenizer
 from test_decoder import target_greedy, tiny_pair
@@ -246,3 +247,13 @@ def test_a_failing_step_fails_every_request_and_stops_the_engine():
     for request in (running, waiting):
         assert isinstance(request.events.queue[-1], RuntimeError)
     assert engine.stopped.is_set() and engine.slots == [None]
+
+
+def test_without_speculation_the_response_reports_none():
+    target, _ = tiny_pair(vocab=64)
+    engine = Engine(SpeculativeDecoder(target, None), max_batch=1, max_model_len=32)
+    request = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    with torch.inference_mode():
+        drain(engine, [request])
+    assert request.result.tokens == target_greedy(target, [1, 2], 5)
+    assert speculation(request.result) is None and engine.stats.drafts == 0

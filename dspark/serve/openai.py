@@ -168,8 +168,11 @@ def usage(prompt_tokens: int, result: GenerationResult) -> dict:
             "total_tokens": prompt_tokens + len(result.tokens)}
 
 
-def speculation(result: GenerationResult) -> dict:
-    """Per-request acceptance, as vLLM reports it under metrics.speculative_decoding."""
+def speculation(result: GenerationResult) -> dict | None:
+    """Per-request acceptance, as vLLM reports it under metrics.speculative_decoding (None when the
+    server does not speculate)."""
+    if not result.accepted_per_position:
+        return None
     accepted = sum(result.accepted_per_position)
     return {"num_drafts": result.num_steps, "num_accepted_tokens": accepted,
             "accepted_per_position": result.accepted_per_position,
