@@ -61,10 +61,8 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
 
 
 def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1)."""
-    max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
-    max_tokens = default_max_tokens if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens",
-                                                                       None, int, 1)
+    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1; top_k -1 is vLLM's off)."""
+    key = max_tokens_key if body.get(max_tokens_key) is not None else "max_tokens"
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or
                                  (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
@@ -73,17 +71,15 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
     if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in stop_token_ids)):
         raise BadRequest(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}", "stop_token_ids")
+    values = dict(temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
+                  top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+                  top_k=max(_number(body, "top_k", 0, int, -1), 0),
+                  min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
+                  seed=_number(body, "seed", None, int, 0, 2**63 - 1),
+                  max_tokens=_number(body, key, default_max_tokens, int, 1))
     try:
-        return SamplingParams(
-            temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
-            top_k=_number(body, "top_k", 0, int, 0),
-            min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
-            seed=_number(body, "seed", None, int, 0, 2**63 - 1),
-            max_tokens=max_tokens, stop=stop or None, stop_token_ids=stop_token_ids,
-            ignore_eos=body.get("ignore_eos", False))
-    except BadRequest:
-        raise
+        return SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
+                              ignore_eos=body.get("ignore_eos", False))
     except ValueError as error:  # SamplingParams names the value (e.g. top_p = 0)
         raise BadRequest(str(error)) from error
 
@@ -100,9 +96,6 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
     else:
         raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt "
                          f"per request), got {prompt!r:.80}", "prompt")
-    top_k = body.get("top_k")
-    if top_k == -1:  # vLLM's "off"
-        body = {**body, "top_k": 0}
     return ids, sampling_params(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
 
 
@@ -128,8 +121,6 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], Sa
         raise BadRequest("messages must be a non-empty list", "messages")
     messages = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if body.get("top_k") == -1:
-        body = {**body, "top_k": 0}
     return ids, sampling_params(body, "max_completion_tokens", max(1, max_model_len - len(ids)))
 
 

@@ -20,6 +20,7 @@ from dspark.serve.engine import Engine, Request
 from dspark.serve.metrics import prometheus_text
 
 VERSION = "0.1.0"
+COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
 MAX_BODY_BYTES = 1 << 22
 
 
@@ -85,19 +86,18 @@ class Handler(BaseHTTPRequestHandler):
                        "text/plain; version=0.0.4")
         elif path == "/version":
             self._send(HTTPStatus.OK, {"version": VERSION})
-        elif path in ("/v1/completions", "/v1/chat/completions"):
+        elif path in COMPLETION_ROUTES:
             self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST")
         else:
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
 
     def do_POST(self):
         server, path = self.server, self.path.split("?")[0]
-        kinds = {"/v1/completions": "text", "/v1/chat/completions": "chat"}
-        if path not in kinds:
+        if path not in COMPLETION_ROUTES:
             self.close_connection = True  # its body stays unread
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
             return
-        kind = kinds[path]
+        kind = COMPLETION_ROUTES[path]
         try:
             body = self._read_json()
             if kind == "chat":
