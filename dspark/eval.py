@@ -100,6 +100,15 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def drafter_labels(paths: list[Path]) -> list[str]:
+    """The table's name of each drafter folder: its own name, or the path as given where two folders
+    share a name (run/drafter and assets/drafter)."""
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"a drafter folder is given twice: {[str(p) for p in paths]}")
+    names = [path.name for path in paths]
+    return [name if names.count(name) == 1 else str(path) for name, path in zip(names, paths)]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dspark.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,7 +136,8 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.drafter:
         target, tokenizer = load_default_target(dtype=dtype, device=args.device)
-        drafters = {path.name: load_drafter(path, target) for path in args.drafter}
+        drafters = {label: load_drafter(path, target)
+                    for label, path in zip(drafter_labels(args.drafter), args.drafter)}
     else:
         target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
         drafters = {"default": default_drafter}

@@ -1,4 +1,6 @@
 """The evaluation's numbers are the decoder's counters, summed over prompts, for a tiny target and drafter."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,7 +8,7 @@ from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import DOMAINS, Prompt
 from dspark.decoder import SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
-from dspark.eval import evaluate, markdown_table
+from dspark.eval import drafter_labels, evaluate, markdown_table
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
@@ -80,3 +82,11 @@ def test_markdown_table_has_a_line_per_row(pair):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] == row.drafter and float(cells[3]) == pytest.approx(row.total.acceptance_length, abs=1e-3)
         assert cells[4 + DOMAINS.index("code")] == "-"  # no code prompt among the first two
+
+
+def test_drafters_of_the_same_folder_name_keep_a_row_each():
+    """run/drafter and assets/drafter once shared the label "drafter", and one's rows replaced the other's."""
+    paths = [Path("run/drafter"), Path("assets/drafter"), Path("run/drafter-rank0")]
+    assert drafter_labels(paths) == ["run/drafter", "assets/drafter", "drafter-rank0"]
+    with pytest.raises(ValueError, match="given twice"):
+        drafter_labels([Path("run/drafter"), Path("run/drafter")])
