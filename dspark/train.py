@@ -1,6 +1,7 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
-    python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 840  # the shipped drafter's run
+    python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 8000 \
+        --time-budget-s 880                                  # the shipped drafter's run
     python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 540 --resume
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
 
