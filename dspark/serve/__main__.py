@@ -7,44 +7,21 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
 
---speculative-config takes vLLM's keys: method ("dspark"), model (a DeepSpec-format drafter
-folder, or "none" to serve without speculation), num_speculative_tokens (alias max_draft_len),
-rejection_sample_method ("standard" | "block"), draft_sample_method ("probabilistic" | "greedy";
-greedy drafts the argmax chain, still lossless), use_rejection_sampling (false = greedy drafts).
+--speculative-config takes vLLM's keys (dspark/serving.py). On CUDA the decode step is replayed from
+CUDA graphs (one per batch-size bucket and sampling variant, captured at first use); --enforce-eager
+turns them off. --compile runs the step through torch.compile; `python -m dspark.compile.warmup`
+with the same options compiles it ahead of time into a --compile-cache.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import torch
-
-from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.generate import DTYPES, load_models
+from dspark.compile.cache import load_compile_cache
 from dspark.serve.engine import Engine
 from dspark.serve.server import Server
-
-SPEC_KEYS = {"method", "model", "num_speculative_tokens", "max_draft_len", "rejection_sample_method",
-             "draft_sample_method", "use_rejection_sampling"}
-
-
-def speculative_config(text: str | None) -> dict:
-    """The parsed --speculative-config; SystemExit naming the bad key or value."""
-    config = json.loads(text) if text else {}
-    if not isinstance(config, dict):
-        raise SystemExit(f"--speculative-config must be a JSON object, got {text!r}")
-    unknown = set(config) - SPEC_KEYS
-    if unknown:
-        raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}; known: {sorted(SPEC_KEYS)}")
-    if config.get("method", "dspark") != "dspark":
-        raise SystemExit(f"--speculative-config: method must be 'dspark', got {config['method']!r}")
-    if config.get("rejection_sample_method", "standard") not in VERIFY_METHODS:
-        raise SystemExit(f"--speculative-config: rejection_sample_method must be one of {VERIFY_METHODS}")
-    if config.get("draft_sample_method", "probabilistic") not in ("probabilistic", "greedy"):
-        raise SystemExit("--speculative-config: draft_sample_method must be 'probabilistic' or 'greedy'")
-    return config
+from dspark.serving import add_model_args, build_decoder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,35 +29,33 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
-    p.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys (see above)")
-    p.add_argument("--max-batch", type=int, default=8, help="batch slots: requests decoded together")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
+    add_model_args(p)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile (vLLM's flag)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile-cache", type=Path, default=None,
+                   help="compiled code from python -m dspark.compile.warmup (implies --compile)")
+    args = p.parse_args(argv)
+    if args.enforce_eager and (args.compile or args.compile_cache):
+        p.error("--enforce-eager excludes --compile and --compile-cache")
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    spec = speculative_config(args.speculative_config)
-    args.drafter = spec.get("model")  # None: the default model's drafter; "none": no speculation
-    target, drafter, tokenizer = load_models(args)
-    decoder = SpeculativeDecoder(
-        target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),
-        max_draft_len=spec.get("max_draft_len"),
-        rejection_sample_method=spec.get("rejection_sample_method", "standard"),
-        use_rejection_sampling=spec.get("use_rejection_sampling", True)
-        and spec.get("draft_sample_method", "probabilistic") == "probabilistic",
-        tokenizer=tokenizer)
+    compile = args.compile or args.compile_cache is not None
+    decoder, tokenizer = build_decoder(args, compile)
+    if args.compile_cache is not None:
+        load_compile_cache(args.compile_cache, decoder.device)
+    target = decoder.target
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
-    server = Server((args.host, args.port), Engine(decoder, args.max_batch, args.max_model_len), tokenizer, name)
+    cuda_graphs = decoder.device.type == "cuda" and not args.enforce_eager
+    engine = Engine(decoder, args.max_batch, args.max_model_len, cuda_graphs=cuda_graphs)
+    server = Server((args.host, args.port), engine, tokenizer, name)
     server.start_engine()
     drafting = f"DSpark drafter, K = {decoder.k}" if decoder.drafter is not None else "no speculation"
-    print(f"dspark: serving {name} ({drafting}, {next(target.parameters()).dtype}, {args.device}) on "
+    mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * cuda_graphs)
+    print(f"dspark: serving {name} ({drafting}, {next(target.parameters()).dtype}, {args.device}, {mode}) on "
           f"http://{args.host}:{server.server_address[1]}  (POST /v1/chat/completions, /v1/completions)",
           file=sys.stderr, flush=True)
     try:

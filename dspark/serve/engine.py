@@ -4,8 +4,10 @@ Each slot is one row of the target's KV cache, the drafter's context cache and t
 tensors. A request is admitted into a free slot between steps (its prompt prefilled into that
 row, its first token drawn), decodes in every step with the other slots (one SpeculativeDecoder
 step: the target verifies K drafts per row and the drafter drafts the next K), and leaves its slot
-when it stops. Free slots stay in the batch frozen (the same inputs at the same positions), so the
-step keeps its shapes.
+when it stops. A step runs the smallest batch-size bucket that holds every slot in use (admission
+fills the lowest free slots); free slots inside it stay frozen (the same inputs at the same
+positions), so the step keeps its shapes. The static batch, its buckets and the compiled and
+CUDA-graphed step are dspark.compile's StepRunner.
 
 A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn
 at submission when the request has none), so its output does not depend on its slot or on the
@@ -23,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.compile.runner import IDLE, StepRunner
 from dspark.decoder import GenerationResult, SpeculativeDecoder, StopCondition
 from dspark.sampling import MAX_SEED, SamplingParams, SamplingTensors
 
-IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a free slot's frozen row
 _ids = itertools.count()
 
 
@@ -62,7 +64,8 @@ class EngineStats:
 class Engine:
     """Runs `decoder` over `max_batch` slots. submit() from any thread; run() in one thread."""
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_model_len: int | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_model_len: int | None = None,
+                 buckets: list[int] | None = None, cuda_graphs: bool | None = None):
         config = decoder.target.config
         self.max_model_len = max_model_len or config.max_position_embeddings
         if not 1 <= self.max_model_len <= config.max_position_embeddings:
@@ -71,19 +74,10 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.decoder, self.max_batch = decoder, max_batch
-        k, device = decoder.k, decoder.device
-        cache_len = self.max_model_len + k + 2
-        decoder.target.setup_caches(max_batch, cache_len)
-        if decoder.drafter is not None:
-            decoder.drafter.setup_caches(max_batch, cache_len)
-        self.tokens = torch.zeros(max_batch, k + 1, dtype=torch.long, device=device)  # [anchor, drafts]
-        self.start = torch.zeros(max_batch, dtype=torch.long, device=device)  # the anchor's position
-        self.draft_probs = torch.zeros(max_batch, k, config.vocab_size, device=device)
+        self.runner = StepRunner(decoder, max_batch, self.max_model_len, buckets, cuda_graphs)
         self.slots: list[Request | None] = [None] * max_batch
-        self.params = [IDLE] * max_batch
-        self.sampling = SamplingTensors.from_params(self.params, device)
         self.waiting: queue.Queue[Request] = queue.Queue()
-        self.stats = EngineStats(accepted_per_position=[0] * k)
+        self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
         self.stopped = threading.Event()
 
     # ------------------------------------------------------------------ any thread
@@ -148,28 +142,32 @@ class Engine:
             return
         rows = free[:len(new)]
         for row, request in zip(rows, new):
-            self.slots[row], self.params[row] = request, request.params
-        device = self.decoder.device
+            self.slots[row] = request
+        runner, device = self.runner, self.decoder.device
         first, start = self.decoder.prefill([r.prompt for r in new],
                                              SamplingTensors.from_params([r.params for r in new], device), rows)
         index = torch.tensor(rows, device=device)
-        self.tokens[index, 0], self.start[index] = first, start
+        runner.tokens[index, 0], runner.start[index] = first, start
         for row, request, token in zip(rows, new, first.tolist()):
             request.first_token_at = time.monotonic()
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.time_to_first_token_s += request.first_token_at - request.arrival
             self._emit(row, [token])
-        self.sampling = SamplingTensors.from_params(self.params, device)
+        runner.set_params([IDLE if r is None else r.params for r in self.slots])
         if self.decoder.drafter is not None:  # every row's drafts again: the same for the rows in flight
-            self.tokens[:, 1:] = self.decoder.draft(self.tokens[:, 0], self.start, self.draft_probs, self.sampling)
+            runner.draft(self._bucket())
+
+    def _bucket(self) -> int:
+        """The step's batch: the smallest bucket that holds every row in use."""
+        return self.runner.bucket(1 + max(row for row, r in enumerate(self.slots) if r is not None))
 
     def _step(self) -> None:
-        emitted, num_accepted, next_tokens, next_start = self.decoder.step(
-            self.tokens, self.start, self.draft_probs, self.sampling)
+        batch, runner = self._bucket(), self.runner
+        emitted, num_accepted, next_tokens, next_start = runner.step(batch)
         emitted, num_accepted = emitted.cpu(), num_accepted.cpu()
         stats, k = self.stats, self.decoder.k
         stats.steps += 1
-        for row, request in enumerate(self.slots):
+        for row, request in enumerate(self.slots[:batch]):
             if request is None:
                 continue
             if request.cancelled:
@@ -187,9 +185,9 @@ class Engine:
                 stats.drafts += 1
                 stats.draft_tokens += k
                 stats.accepted_tokens += accepted
-        keep = torch.tensor([r is not None for r in self.slots], device=self.tokens.device)  # the rest: frozen
-        self.tokens = torch.where(keep[:, None], next_tokens, self.tokens)
-        self.start = torch.where(keep, next_start, self.start)
+        keep = torch.tensor([r is not None for r in self.slots[:batch]], device=next_start.device)
+        runner.tokens[:batch] = torch.where(keep[:, None], next_tokens, runner.tokens[:batch])  # the rest: frozen
+        runner.start[:batch] = torch.where(keep, next_start, runner.start[:batch])
 
     def _emit(self, row: int, new: list[int]) -> int:
         """Hands the request in `row` its new tokens up to its stop; frees the slot when it stops."""
@@ -204,5 +202,5 @@ class Engine:
 
     def _free(self, row: int) -> None:
         self.slots[row].events.put(None)
-        self.slots[row], self.params[row] = None, IDLE
+        self.slots[row] = None
         self.stats.requests_finished += 1

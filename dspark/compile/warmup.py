@@ -1,0 +1,67 @@
+"""python -m dspark.compile.warmup: compiles the server's decode step ahead of time, into a compile
+cache that `python -m dspark.serve --compile-cache FILE` loads when it starts.
+
+    python -m dspark.compile.warmup --compile-cache dspark-cache.bin      # the default server's step
+    python -m dspark.serve --compile-cache dspark-cache.bin
+    python -m dspark.compile.warmup --compile-cache c.bin --max-batch 16 \\
+        --speculative-config '{"num_speculative_tokens": 5, "rejection_sample_method": "block"}'
+
+It builds the decoder and the static batch from the same options as the server (dspark.serving),
+then steps every batch-size bucket in each sampling variant a server meets (every row greedy;
+sampled; sampled with a top-p filter), which compiles every graph the server's steps need, and saves
+what Inductor compiled. Give it the options the server will get: the compiled code is specialized to
+the models, K, the batch buckets and the cache length (--max-model-len). A cache is for the torch,
+triton and device it was made with.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.compile.cache import save_compile_cache
+from dspark.compile.runner import StepRunner
+from dspark.sampling import SamplingParams
+from dspark.serving import add_model_args, build_decoder
+
+VARIANTS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=1.0),
+            "top-p": SamplingParams(temperature=1.0, top_p=0.9)}
+
+
+@torch.inference_mode()
+def warm_up(runner: StepRunner) -> list[tuple[str, int, float]]:
+    """Steps every (variant, bucket) once -> (variant, bucket, seconds) of each, compilation
+    included."""
+    timings = []
+    for name, params in VARIANTS.items():
+        runner.set_params([params] * runner.max_batch)
+        for batch in runner.buckets:
+            began = time.perf_counter()
+            if runner.decoder.drafter is not None:
+                runner.draft(batch)
+            runner.step(batch)
+            if runner.tokens.device.type == "cuda":
+                torch.cuda.synchronize()
+            timings.append((name, batch, time.perf_counter() - began))
+    return timings
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dspark.compile.warmup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compile-cache", type=Path, required=True, help="the file to write")
+    add_model_args(p)
+    args = p.parse_args(argv)
+    decoder, _ = build_decoder(args, compile=True)
+    runner = StepRunner(decoder, args.max_batch, args.max_model_len)
+    began = time.perf_counter()
+    for name, batch, seconds in warm_up(runner):
+        print(f"{name:>8} batch {batch:>3}: {seconds:7.1f} s", flush=True)
+    size = save_compile_cache(args.compile_cache, decoder.device)
+    print(f"compiled in {time.perf_counter() - began:.0f} s; {args.compile_cache}: {size / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""What a serving process is built from, shared by `python -m dspark.serve` and
+`python -m dspark.compile.warmup` (a warm-up must compile the very step the server runs): the
+command-line options that choose the model pair, the batch and the speculation, and the decoder
+they make.
+
+--speculative-config takes vLLM's keys: method ("dspark"), model (a DeepSpec-format drafter
+folder, or "none" to serve without speculation), num_speculative_tokens (alias max_draft_len),
+rejection_sample_method ("standard" | "block"), draft_sample_method ("probabilistic" | "greedy";
+greedy drafts the argmax chain, still lossless), use_rejection_sampling (false = greedy drafts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.generate import DTYPES, load_models
+
+SPEC_KEYS = {"method", "model", "num_speculative_tokens", "max_draft_len", "rejection_sample_method",
+             "draft_sample_method", "use_rejection_sampling"}
+
+
+def speculative_config(text: str | None) -> dict:
+    """The parsed --speculative-config; SystemExit naming the bad key or value."""
+    config = json.loads(text) if text else {}
+    if not isinstance(config, dict):
+        raise SystemExit(f"--speculative-config must be a JSON object, got {text!r}")
+    unknown = set(config) - SPEC_KEYS
+    if unknown:
+        raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}; known: {sorted(SPEC_KEYS)}")
+    if config.get("method", "dspark") != "dspark":
+        raise SystemExit(f"--speculative-config: method must be 'dspark', got {config['method']!r}")
+    if config.get("rejection_sample_method", "standard") not in VERIFY_METHODS:
+        raise SystemExit(f"--speculative-config: rejection_sample_method must be one of {VERIFY_METHODS}")
+    if config.get("draft_sample_method", "probabilistic") not in ("probabilistic", "greedy"):
+        raise SystemExit("--speculative-config: draft_sample_method must be 'probabilistic' or 'greedy'")
+    return config
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options that decide the decoder and its static batch."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
+    p.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys (see above)")
+    p.add_argument("--max-batch", type=int, default=8, help="batch slots: requests decoded together")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_decoder(args: argparse.Namespace, compile: bool):
+    """The decoder the options describe -> (decoder, tokenizer); `compile`: torch.compile its
+    step."""
+    spec = speculative_config(args.speculative_config)
+    args.drafter = spec.get("model")  # None: the default model's drafter; "none": no speculation
+    target, drafter, tokenizer = load_models(args)
+    decoder = SpeculativeDecoder(
+        target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),
+        max_draft_len=spec.get("max_draft_len"),
+        rejection_sample_method=spec.get("rejection_sample_method", "standard"),
+        use_rejection_sampling=spec.get("use_rejection_sampling", True)
+        and spec.get("draft_sample_method", "probabilistic") == "probabilistic",
+        tokenizer=tokenizer, compile=compile)
+    return decoder, tokenizer
