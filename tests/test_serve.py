@@ -57,6 +57,20 @@ def test_continuous_batching_greedy_equals_target_greedy_with_admission_mid_flig
 
 
 @torch.inference_mode()
+def test_requests_done_at_their_first_token_leave_at_admission(one_thread):
+    """max_tokens = 1: the prefill's token is the whole completion; no slot stays in use."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
+    requests = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)) for p in ([1, 2], [3])]
+    engine._admit(block=False)
+    assert not any(engine.slots) and [r.result.tokens for r in requests] == [
+        target_greedy(target, [1, 2], 1), target_greedy(target, [3], 1)]
+    late = engine.submit([4, 5], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    drain(engine, [late])
+    assert late.result.tokens == target_greedy(target, [4, 5], 5)
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("method", ["standard", "block"])
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method):
     """Noise is keyed by (seed, position): a sampled request's tokens do not depend on its slot or

@@ -154,8 +154,8 @@ class Engine:
             self.stats.time_to_first_token_s += request.first_token_at - request.arrival
             self._emit(row, [token])
         runner.set_params([IDLE if r is None else r.params for r in self.slots])
-        if self.decoder.drafter is not None:  # every row's drafts again: the same for the rows in flight
-            runner.draft(self._bucket())
+        if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same
+            runner.draft(self._bucket())                          # for the rows in flight
 
     def _bucket(self) -> int:
         """The step's batch: the smallest bucket that holds every row in use."""
