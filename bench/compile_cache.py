@@ -1,0 +1,83 @@
+"""What the compile cache saves: the seconds a server's first steps spend compiling the decode step,
+without a cache and with one from `python -m dspark.compile.warmup`.
+
+Two fresh processes, one after the other, each with an empty Inductor cache directory (so nothing
+compiled before helps): the warm-up itself, cold (it compiles every batch-size bucket in each
+sampling variant and saves the cache), then the same steps after loading that cache. Same options
+for both: the default model pair, --max-batch, --max-model-len.
+
+    python bench/compile_cache.py [--max-batch 2] [--max-model-len 256] [--out table.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.compile.cache import load_compile_cache
+from dspark.compile.runner import StepRunner
+from dspark.compile.warmup import warm_up
+from dspark.serving import add_model_args, build_decoder
+from timing import emit_table
+
+STEP = re.compile(r"^\s*(\S+) batch\s+(\d+):\s+([\d.]+) s", re.M)
+
+
+def child(argv: list[str], cache_dir: str) -> str:
+    """Runs `python argv` with an empty Inductor cache directory; returns its output."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def cached_steps(args: argparse.Namespace) -> None:
+    """The child that loads the cache, then steps as the warm-up does (printing as it prints)."""
+    decoder, _ = build_decoder(args, compile=True)
+    load_compile_cache(args.load, decoder.device)
+    for name, batch, seconds in warm_up(StepRunner(decoder, args.max_batch, args.max_model_len)):
+        print(f"{name:>8} batch {batch:>3}: {seconds:7.1f} s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("--load", type=Path, default=None, help=argparse.SUPPRESS)  # the cached child
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.load is not None:
+        return cached_steps(args)
+    options = ["--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
+               "--device", args.device, "--dtype", args.dtype]
+    with tempfile.TemporaryDirectory() as folder:
+        cache = Path(folder) / "cache.bin"
+        runs = {}
+        for name, argv in (("cold", ["-m", "dspark.compile.warmup", "--compile-cache", str(cache)]),
+                           ("from the cache", [__file__, "--load", str(cache)])):
+            began = time.perf_counter()
+            output = child(argv + options, tempfile.mkdtemp(dir=folder))
+            runs[name] = (time.perf_counter() - began, {(v, int(b)): float(s) for v, b, s in STEP.findall(output)})
+        size = cache.stat().st_size
+    keys = list(runs["cold"][1])
+    lines = [f"Compile cache: {datetime.date.today()}, {args.device}, torch {torch.__version__}; the default "
+             f"pair, --max-batch {args.max_batch}, --max-model-len {args.max_model_len}; cache {size / 1e6:.1f} MB.",
+             "", "| variant | batch | cold s | from the cache s |", "|---|---|---|---|"]
+    lines += [f"| {v} | {b} | {runs['cold'][1][(v, b)]:.1f} | {runs['from the cache'][1][(v, b)]:.1f} |"
+              for v, b in keys]
+    lines.append(f"| all steps | | {sum(runs['cold'][1].values()):.0f} | "
+                 f"{sum(runs['from the cache'][1].values()):.0f} |")
+    lines.append(f"| whole process | | {runs['cold'][0]:.0f} | {runs['from the cache'][0]:.0f} |")
+    emit_table(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
