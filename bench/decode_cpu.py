@@ -2,13 +2,16 @@
 
 - transformers' generate on the same GGUF (greedy), when transformers is installed;
 - dspark without speculation (K = 0), greedy and at T = 1;
-- dspark with the shipped DSpark drafter (K = 7), greedy and at T = 1, standard and block.
+- dspark with the shipped DSpark drafter (K = 7), greedy and at T = 1, standard and block;
+- with --compile, also K = 0 and K = 7 block with the decode step through torch.compile (its
+  compilation falls in the warm-up run).
 
 Tokens/s is new tokens over wall time (prefill included), median (and quartiles) over every run of
 the decoder; tokens/step is the mean acceptance length (bonus token included). The decoders take
 turns, `--rounds` passes over all of them, so a slow phase of the machine does not land on one row.
 
-    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--out table.md]
+    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--compile]
+        [--out table.md]
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"],
                    help="weights and activations of the decoders (the GGUF is dequantized to it); "
                         "several: every decoder in each, in the same rounds")
+    p.add_argument("--compile", action="store_true",
+                   help="also K = 0 and K = 7 block with the step through torch.compile (compiled in the warm-up)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -80,6 +85,13 @@ def main() -> None:
             spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
             runners[f"{name}: dspark DSpark K=7 {method}, greedy"] = dspark_runner(spec, greedy)
             runners[f"{name}: dspark DSpark K=7 {method}, T=1"] = dspark_runner(spec, sampled)
+        if args.compile:
+            for label, decoder in (("K=0", SpeculativeDecoder(target, None, compile=True)),
+                                   ("DSpark K=7 block", SpeculativeDecoder(target, drafter, num_speculative_tokens=7,
+                                                                           rejection_sample_method="block",
+                                                                           compile=True))):
+                for temperature, params in (("greedy", greedy), ("T=1", sampled)):
+                    runners[f"{name}: dspark {label} compiled, {temperature}"] = dspark_runner(decoder, params)
     prompts = render(tokenizer, heldout_prompts()[:args.prompts])
     measured = {name: Measured() for name, run in runners.items() if run is not None}
     for name in measured:

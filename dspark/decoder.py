@@ -12,6 +12,7 @@ max_tokens token by token, so a request ends exactly where plain decoding would 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -24,6 +25,7 @@ from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
 from dspark.target import TargetModel
 
 VERIFY_METHODS = ("standard", "block")
+RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
 
 
 @dataclass
@@ -76,6 +78,20 @@ class StopCondition:
         return taken
 
 
+def _compile_step(step: Callable) -> Callable:
+    """torch.compile(fullgraph=True) of the step. Dynamo keeps the models' cache buffers static,
+    so each cache shape is a graph of its own: generate, when compiled, only grows its caches, to
+    powers of two (_cache_shape), and the recompile limit is raised from Dynamo's 8 to what the
+    sampling variants times those shapes can need."""
+    compiled = torch.compile(step, fullgraph=True)
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+    return run
+
+
 class SpeculativeDecoder:
     """Lossless speculative decoding with a DSpark drafter (or none).
 
@@ -86,7 +102,7 @@ class SpeculativeDecoder:
         (still lossless: verification accepts a one-hot draft with probability p(d)).
     forced_num_accepted: benchmarks only. Every step accepts exactly this many drafts, so a
         step can be timed at a fixed acceptance length. The output is then NOT the target's.
-    compile: torch.compile(fullgraph=True) the step function.
+    compile: torch.compile(fullgraph=True) the step function (see _compile_step).
     """
 
     def __init__(self, target: TargetModel, drafter: DSparkDrafter | None = None,
@@ -119,7 +135,8 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer
         self.forced_num_accepted = forced_num_accepted
         self.layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
-        self.step = torch.compile(self._step, fullgraph=True) if compile else self._step
+        self.compiled = compile
+        self.step = _compile_step(self._step) if compile else self._step
 
     @property
     def device(self) -> torch.device:
@@ -211,10 +228,10 @@ class SpeculativeDecoder:
         if longest > self.target.config.max_position_embeddings:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
                              f"max_position_embeddings {self.target.config.max_position_embeddings}")
-        max_len = longest + self.k + 2
-        self.target.setup_caches(batch, max_len)
+        rows, max_len = self._cache_shape(batch, longest + self.k + 2)
+        self.target.setup_caches(rows, max_len)
         if self.drafter is not None:
-            self.drafter.setup_caches(batch, max_len)
+            self.drafter.setup_caches(rows, max_len)
         sampling = SamplingTensors.from_params(params, device)
         draft_probs = torch.zeros(batch, self.k, vocab, device=device)
 
@@ -242,6 +259,16 @@ class SpeculativeDecoder:
             tokens = torch.where(keep[:, None], next_tokens, tokens)
             start = torch.where(keep, next_start, start)
         return results
+
+    def _cache_shape(self, batch: int, length: int) -> tuple[int, int]:
+        """The caches generate sets up for `batch` rows of `length` positions: exactly that, or, for
+        a compiled step (whose graphs are specialized to the cache shape), at least the shape of the
+        caches in place and powers of two, so that a long-lived decoder meets few shapes."""
+        if not self.compiled:
+            return batch, length
+        layer = self.target.layers[0]
+        rows, positions = (0, 0) if layer.kv_cache is None else layer.kv_cache.k_cache.shape[::2]
+        return max(rows, 1 << (batch - 1).bit_length()), max(positions, 1 << (length - 1).bit_length())
 
     def prefill(self, prompts: list[list[int]], sampling: SamplingTensors, rows: list[int] | None = None):
         """Runs the prompts through the target into their cache rows (default 0 .. n-1; prompts of

@@ -217,6 +217,23 @@ def test_bad_arguments_raise():
         decoder.generate([[1]], SamplingParams(stop="x"))
 
 
+def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():
+    """generate sizes the caches to each call, and the compiled step's graphs are specialized to
+    the cache shape: every new length compiled again until Dynamo's recompile limit (8) failed the
+    call. Twelve calls of other lengths and batch sizes, greedy and sampled: they run, and the
+    caches grow by powers of two, so few graphs are compiled."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    target, drafter = tiny_pair(vocab=64)
+    decoder = SpeculativeDecoder(target, drafter, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for n in range(12):
+        prompts = [[1 + i] * (2 + n + i) for i in range(1 + n % 2)]
+        decoder.generate(prompts, SamplingParams(temperature=float(n % 2), max_tokens=3 + n, seed=n))
+    assert target.layers[0].kv_cache.k_cache.shape[::2] == (2, 64)  # 14 + 14 + K + 2 = 34 positions
+    assert counters["stats"]["unique_graphs"] - graphs <= 6
+
+
 def test_compiled_step_matches_eager():
     """compile=True: the whole step through torch.compile(fullgraph=True) with Inductor (about a
     minute on 2 cores), a greedy and a sampled row in one batch."""
