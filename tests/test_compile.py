@@ -99,6 +99,22 @@ def test_the_engine_steps_the_smallest_bucket_that_holds_its_requests(one_thread
     assert batches[-1] == 1  # alone in row 0: bucket 1
 
 
+@torch.inference_mode()
+def test_rows_that_leave_stop_counting_for_the_sampling_variant(one_thread):
+    """Once the sampled request has left, the batch is all greedy: the step takes the greedy graph
+    (no noise, no proposals), and the greedy request still gets the target's greedy tokens."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
+    greedy = engine.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    sampled = engine.submit([4, 5], SamplingParams(temperature=1.0, max_tokens=3, seed=1, ignore_eos=True))
+    engine._admit(block=False)
+    assert not engine.runner.sampling(2).all_greedy
+    drain(engine, [sampled])
+    assert engine.slots[1] is None and engine.runner.sampling(2).all_greedy
+    drain(engine, [greedy])
+    assert greedy.result.tokens == target_greedy(target, [1, 2, 3], 20)
+
+
 def test_the_compile_cache_round_trips_and_names_a_mismatch(tmp_path):
     compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1)
     x = torch.randn(8)

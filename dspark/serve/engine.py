@@ -153,7 +153,7 @@ class Engine:
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.time_to_first_token_s += request.first_token_at - request.arrival
             self._emit(row, [token])
-        runner.set_params([IDLE if r is None else r.params for r in self.slots])
+        self._set_params()
         if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same
             runner.draft(self._bucket())                          # for the rows in flight
 
@@ -188,6 +188,12 @@ class Engine:
         keep = torch.tensor([r is not None for r in self.slots[:batch]], device=next_start.device)
         runner.tokens[:batch] = torch.where(keep[:, None], next_tokens, runner.tokens[:batch])  # the rest: frozen
         runner.start[:batch] = torch.where(keep, next_start, runner.start[:batch])
+        self._set_params()  # rows that left are idle: the step may run a cheaper sampling variant
+
+    def _set_params(self) -> None:
+        params = [IDLE if r is None else r.params for r in self.slots]
+        if params != self.runner.params:
+            self.runner.set_params(params)
 
     def _emit(self, row: int, new: list[int]) -> int:
         """Hands the request in `row` its new tokens up to its stop; frees the slot when it stops."""
