@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -24,12 +23,9 @@ import torch
 
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.runner import StepRunner
-from dspark.compile.warmup import warm_up
+from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
 from dspark.serving import add_model_args, build_decoder
 from timing import emit_table
-
-STEP = re.compile(r"^\s*(\S+) batch\s+(\d+):\s+([\d.]+) s", re.M)
-
 
 def child(argv: list[str], cache_dir: str) -> str:
     """Runs `python argv` with an empty Inductor cache directory; returns its output."""
@@ -45,7 +41,7 @@ def cached_steps(args: argparse.Namespace) -> None:
     decoder, _ = build_decoder(args, compile=True)
     load_compile_cache(args.load, decoder.device)
     for name, batch, seconds in warm_up(StepRunner(decoder, args.max_batch, args.max_model_len)):
-        print(f"{name:>8} batch {batch:>3}: {seconds:7.1f} s", flush=True)
+        print(timing_line(name, batch, seconds), flush=True)
 
 
 def main() -> None:
@@ -65,7 +61,8 @@ def main() -> None:
                            ("from the cache", [__file__, "--load", str(cache)])):
             began = time.perf_counter()
             output = child(argv + options, tempfile.mkdtemp(dir=folder))
-            runs[name] = (time.perf_counter() - began, {(v, int(b)): float(s) for v, b, s in STEP.findall(output)})
+            steps = {(v, int(b)): float(s) for v, b, s in TIMING_LINE.findall(output)}
+            runs[name] = (time.perf_counter() - began, steps)
         size = cache.stat().st_size
     keys = list(runs["cold"][1])
     lines = [f"Compile cache: {datetime.date.today()}, {args.device}, torch {torch.__version__}; the default "

@@ -26,8 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
+    add_model_args(p)
     p.add_argument("--drafter", default=None,
                    help="DeepSpec-format drafter folder, or 'none' to decode without speculation "
                         "(default: the default model's drafter)")
@@ -39,10 +38,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
+    return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options load_models reads (with --drafter): the model, its tokenizer, dtype and device."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
 
 
 def load_models(args):

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.generate import DTYPES, load_models
+from dspark.generate import add_model_args as add_model_source_args
+from dspark.generate import load_models
 
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "max_draft_len", "rejection_sample_method",
              "draft_sample_method", "use_rejection_sampling"}
@@ -41,14 +40,10 @@ def speculative_config(text: str | None) -> dict:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options that decide the decoder and its static batch."""
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
+    add_model_source_args(p)
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys (see above)")
     p.add_argument("--max-batch", type=int, default=8, help="batch slots: requests decoded together")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_decoder(args: argparse.Namespace, compile: bool):

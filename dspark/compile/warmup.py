@@ -16,6 +16,7 @@ triton and device it was made with.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
@@ -28,6 +29,14 @@ from dspark.serving import add_model_args, build_decoder
 
 VARIANTS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=1.0),
             "top-p": SamplingParams(temperature=1.0, top_p=0.9)}
+
+
+def timing_line(variant: str, batch: int, seconds: float) -> str:
+    """How the warm-up reports one (variant, bucket); TIMING_LINE reads it back."""
+    return f"{variant:>8} batch {batch:>3}: {seconds:7.1f} s"
+
+
+TIMING_LINE = re.compile(r"^\s*(\S+) batch\s+(\d+):\s+([\d.]+) s", re.M)
 
 
 @torch.inference_mode()
@@ -58,7 +67,7 @@ def main(argv=None) -> None:
     runner = StepRunner(decoder, args.max_batch, args.max_model_len)
     began = time.perf_counter()
     for name, batch, seconds in warm_up(runner):
-        print(f"{name:>8} batch {batch:>3}: {seconds:7.1f} s", flush=True)
+        print(timing_line(name, batch, seconds), flush=True)
     size = save_compile_cache(args.compile_cache, decoder.device)
     print(f"compiled in {time.perf_counter() - began:.0f} s; {args.compile_cache}: {size / 1e6:.1f} MB")
 
