@@ -14,10 +14,13 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
 - loss = 0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), each position weighted by exp(-k/4).
   TV is the total-variation distance 1/2 |p_draft - p_target|_1 at T=1 (DeepSpec's 0.9 weighs the
   L1 distance, 2 TV), and 1 - TV is the chance that token-level verification accepts the slot's
-  draft given that the slots before it were accepted.
+  draft given that the slots before it were accepted. --argmax-weight w adds w CE against the
+  target's argmax, for greedy (T = 0) decoding, where a draft is accepted when its argmax is the
+  target's.
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
-length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing; `log.jsonl` keeps them.
+length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the
+argmax agreements ("greedy AL"); `log.jsonl` keeps them.
 Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
 answered by the target like the training prompts, never trained on) show how well the drafter
 generalizes beyond the sequences it has seen.
@@ -79,6 +82,7 @@ class TrainConfig:
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
+    argmax_weight: float = 0.0  # CE against the target's argmax: aims at greedy (T = 0) agreement
     decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
     seed: int = 0
     rank0_twin: bool = True
@@ -156,19 +160,22 @@ def make_batch(sequences: list[Sequence], step: int, config: TrainConfig, block_
 class Stats:
     """Sums over steps, per position over the valid slots: for the progress display and the log."""
     loss: float = 0.0
-    accept: torch.Tensor | float = 0.0  # [K] sum of 1 - TV
+    accept: torch.Tensor | float = 0.0  # [K] sum of 1 - TV (T = 1 acceptance)
     survive: torch.Tensor | float = 0.0  # [K] sum of prod_{i<=k} (1 - TV_i)
+    agree: torch.Tensor | float = 0.0  # [K] slots whose argmax is the target's (T = 0 acceptance)
+    agree_survive: torch.Tensor | float = 0.0  # [K] slots agreeing at every position up to k
     count: torch.Tensor | float = 0.0  # [K] valid slots
     steps: int = 0
 
     def __add__(self, other: Stats) -> Stats:
-        return Stats(self.loss + other.loss, self.accept + other.accept, self.survive + other.survive,
-                     self.count + other.count, self.steps + other.steps)
+        return Stats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
     def summary(self) -> dict:
         count = self.count.clamp_min(1)
         return {"loss": self.loss / self.steps, "acceptance": (self.accept / count).tolist(),
-                "al_estimate": 1 + (self.survive / count).sum().item()}
+                "al_estimate": 1 + (self.survive / count).sum().item(),
+                "greedy_agreement": (self.agree / count).tolist(),
+                "al_greedy_estimate": 1 + (self.agree_survive / count).sum().item()}
 
 
 def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,15 +191,17 @@ def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tens
 
 def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
                 labels: torch.Tensor, target_logits: torch.Tensor, ce_weight: float, tv_weight: float,
-                confidence_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+                confidence_weight: float, argmax_weight: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
-    BCE(confidence, 1 - TV), and the acceptance estimate 1 - TV. One function of tensors, so that
+    BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax; the acceptance
+    estimate 1 - TV (T = 1) and the argmax agreement (T = 0). One function of tensors, so that
     torch.compile fuses its passes over the vocabulary (train_step compiles it on the GPU).
 
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
     confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
     logits at each slot's position)
-    -> terms, accept [B, N, K] float32
+    -> terms, accept, agree [B, N, K] float32
     """
     logits = logits.float() if bias is None else logits.float() + bias.float()
     log_q = logits.log_softmax(-1)
@@ -200,22 +209,28 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
     tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
     accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
+    target_argmax = target_probs.argmax(-1, keepdim=True)
+    agree = (logits.detach().argmax(-1, keepdim=True) == target_argmax).squeeze(-1).float()
     terms = ce_weight * ce + tv_weight * tv
+    if argmax_weight:
+        terms = terms + argmax_weight * -log_q.gather(-1, target_argmax).squeeze(-1)
     if confidence is not None:
         terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
             confidence.float(), accept, reduction="none")
-    return terms, accept
+    return terms, accept, agree
 
 
 def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                 valid: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, target_logits: torch.Tensor,
-                config: TrainConfig, losses: Callable = slot_losses) -> tuple[torch.Tensor, torch.Tensor]:
+                config: TrainConfig, losses: Callable = slot_losses
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
     weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
     tensors without host syncs, so the whole of it compiles too (see COMPILE_MODES).
 
     features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];
-    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV [B, N, K]
+    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV and argmax
+    agreement [B, N, K]
     """
     base, hidden = drafter.forward_train(features, tokens, anchors)  # [B, N, K, V], [B, N, K, d]
     head = drafter.markov_head
@@ -224,20 +239,20 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
     if drafter.confidence_head is not None:
         prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
         confidence = drafter.confidence(hidden, prev_embedding)
-    terms, accept = losses(base, bias, confidence, labels, target_logits, config.ce_weight, config.tv_weight,
-                           config.confidence_weight)
+    terms, accept, agree = losses(base, bias, confidence, labels, target_logits, config.ce_weight,
+                                  config.tv_weight, config.confidence_weight, config.argmax_weight)
     decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
     weights = decay * valid
-    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept
+    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept, agree
 
 
-def step_stats(loss: torch.Tensor, accept: torch.Tensor, valid: torch.Tensor) -> Stats:
-    """One step's Stats from its loss and acceptance estimates [B, N, K] over the valid slots [B, N, K]."""
-    survive = torch.cumprod(accept, dim=-1)
-    sums = torch.stack([accept * valid, survive * valid, valid.float()]).sum((1, 2))  # [3, K]
+def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> Stats:
+    """One step's Stats from its loss, acceptance estimates and argmax agreements [B, N, K] over the
+    valid slots [B, N, K]."""
+    per_slot = [accept, accept.cumprod(-1), agree, agree.cumprod(-1), valid.float()]
+    sums = torch.stack([t * valid for t in per_slot]).sum((1, 2))  # [5, K]
     host = torch.cat([loss.detach().float()[None], sums.flatten()]).cpu()  # one device-to-host copy
-    accepted, survived, count = host[1:].view_as(sums)
-    return Stats(host[0].item(), accepted, survived, count, 1)
+    return Stats(host[0].item(), *host[1:].view_as(sums), steps=1)
 
 
 def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,
@@ -338,9 +353,9 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
         target_logits, features = target_forward(target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
-            loss, accept = drafter_loss(student.drafter, features, batch.tokens, batch.anchors, batch.valid,
-                                        labels, prev, target_logits, config, losses)
-        yield student, loss, step_stats(loss, accept, batch.valid)
+            loss, accept, agree = drafter_loss(student.drafter, features, batch.tokens, batch.anchors,
+                                               batch.valid, labels, prev, target_logits, config, losses)
+        yield student, loss, step_stats(loss, accept, agree, batch.valid)
 
 
 def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
@@ -414,7 +429,8 @@ def progress_line(summaries: dict[str, dict]) -> str:
     parts = []
     for name, s in summaries.items():
         accept = " ".join(f"{a:.2f}" for a in s["acceptance"])
-        parts.append(f"{name}: loss {s['loss']:.3f} accept [{accept}] AL~{s['al_estimate']:.2f}")
+        parts.append(f"{name}: loss {s['loss']:.3f} accept [{accept}] AL~{s['al_estimate']:.2f} "
+                     f"greedy AL~{s['al_greedy_estimate']:.2f}")
     return " | ".join(parts)
 
 

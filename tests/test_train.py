@@ -302,8 +302,34 @@ def test_compiled_slot_losses_equal_the_eager_ones():
         target_logits = torch.randn(2, blocks, 4, 50, generator=g)
         results = []
         for losses in (training.slot_losses, compiled):
-            terms, accept = losses(logits, bias, confidence, labels, target_logits, 0.1, 0.9, 1.0)
+            terms, accept, agree = losses(logits, bias, confidence, labels, target_logits, 0.1, 0.9, 1.0, 0.5)
             grads = torch.autograd.grad(terms.sum(), (logits, bias, confidence))
-            results.append((terms, accept, *grads))
+            results.append((terms, accept, agree, *grads))
         for want, got in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_argmax_term_is_the_cross_entropy_of_the_targets_argmax_and_agreement_counts_argmaxes():
+    """argmax_weight adds w * -log q(argmax p) to each slot's terms; agree is 1 exactly where the
+    drafter's biased argmax is the target's, and the greedy AL estimate multiplies agreements along a
+    block (a drafter equal to the target agrees everywhere: AL 1 + K)."""
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(2, 3, 4, 50, generator=g), torch.randn(2, 3, 4, 50, generator=g)
+    labels = torch.randint(0, 50, (2, 3, 4), generator=g)
+    target_logits = torch.randn(2, 3, 4, 50, generator=g)
+    plain, _, agree = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0)
+    weighted, _, _ = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0, 0.5)
+    log_q = (logits + bias).log_softmax(-1)
+    target_ce = -log_q.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(weighted - plain, 0.5 * target_ce)
+    assert torch.equal(agree, ((logits + bias).argmax(-1) == target_logits.argmax(-1)).float())
+    assert 0 < agree.mean() < 1
+
+    _, _, same = training.slot_losses(target_logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
+    valid = torch.ones(2, 3, 4, dtype=torch.bool)
+    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), same, valid).summary()
+    assert summary["greedy_agreement"] == [1.0] * 4 and summary["al_greedy_estimate"] == 5.0
+    mixed = agree.clone()
+    mixed[..., 1] = 0  # nothing survives position 1
+    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), mixed, valid).summary()
+    assert summary["al_greedy_estimate"] == pytest.approx(1 + agree[..., 0].mean().item())
