@@ -1,7 +1,7 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
     python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 8000 \
-        --time-budget-s 880                                  # the shipped drafter's run
+        --argmax-weight 0.3 --time-budget-s 880              # the shipped drafter's run
     python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 540 --resume
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
 
@@ -168,7 +168,7 @@ class Stats:
     steps: int = 0
 
     def __add__(self, other: Stats) -> Stats:
-        return Stats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> dict:
         count = self.count.clamp_min(1)
