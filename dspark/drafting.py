@@ -2,9 +2,9 @@
 where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
 the position's proposal for verification.
 
-Per position: the Markov bias (a cuBLAS GEMM through the head), the step op (Gumbel-max race and
-softmax statistics; gumbel_max.py), the pick op (the token, the merged statistics, the Markov
-embedding of the token for the next position). After the block, the proposal op writes all K
+Per position: the Markov bias (a cuBLAS GEMM through the head), the step op (the biased logits and
+their softmax statistics; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, the
+merged statistics, the Markov embedding of the token for the next position). After the block, the proposal op writes all K
 proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
 and is captured in a CUDA graph.
 """
@@ -47,8 +47,9 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     for k in range(positions):
         if head is not None:
             bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
-        winners = gumbel_step(logits, bias, temperature, seed, offset, k, biased, *tiles)
-        prev = gumbel_pick(*winners, table, k, tokens, stat_max, stat_sum)
+        units = gumbel_step(logits, bias, temperature, k, biased, *tiles)
+        prev = gumbel_pick(*units, biased, temperature, seed, offset, table, k, tokens, stat_max, stat_sum,
+                           tiles[0])
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, draft_probs)
     return tokens
 

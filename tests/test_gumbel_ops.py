@@ -12,6 +12,7 @@ from dspark.ops.proposal import write_proposals
 from stats import assert_differs, assert_matches
 
 K, V, R = 2, 40, 8
+G = 8  # the draw's group size in these tests: 5 groups over V = 40, so the group race counts
 
 
 def make_inputs(batch, dtype=torch.float32, vocab=V, seed=0):
@@ -37,12 +38,20 @@ def pick_buffers(batch, device="cpu"):
             torch.full((batch, K), -7.0, device=device), torch.full((batch, K), -7.0, device=device))
 
 
-def draw(logits, bias, temperature, seeds, offsets, k=0, block_v=64):
+def position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, table=None,
+             block_v=64, block_b=1, group_size=G):
+    """The step and the pick of position k -> the pick's gathered rows."""
+    units = gumbel_step(logits, bias, temperature, k, biased, block_v, block_b, group_size)
+    return gumbel_pick(*units, biased, temperature, seeds, offsets, table, k, tokens, stat_max, stat_sum,
+                       block_v, group_size)
+
+
+def draw(logits, bias, temperature, seeds, offsets, k=0, block_v=64, group_size=G):
     """Step and pick at position k -> (token [B], biased [B, K, V], stat_max, stat_sum [B, K])."""
     batch = logits.shape[0]
     biased, (tokens, stat_max, stat_sum) = biased_buffer(batch, logits.shape[-1]), pick_buffers(batch)
-    winners = gumbel_step(logits, bias, temperature, seeds, offsets, k, biased, block_v)
-    gumbel_pick(*winners, None, k, tokens, stat_max, stat_sum)
+    position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum,
+             block_v=block_v, group_size=group_size)
     return tokens[:, k], biased, stat_max, stat_sum
 
 
@@ -58,17 +67,15 @@ def test_opcheck(dtype):
     temperature[1] = 0
     logits[2] = float("nan")
     for b in (bias.to(dtype), None):
-        torch.library.opcheck(gumbel_step, (logits, b, temperature, seeds, offsets, 1,
-                                            biased_buffer(3), 16, 1))
-    best, index = torch.randn(3, 3), torch.randint(0, V, (3, 3))
-    chunk_max, chunk_sum = torch.randn(3, 3), torch.rand(3, 3)
+        torch.library.opcheck(gumbel_step, (logits, b, temperature, 1, biased_buffer(3), 16, 1, G))
+    biased = biased_buffer(3)
+    units = gumbel_step(logits, bias, temperature, 1, biased, 16, 1, G)
     for table in (torch.randn(V, 4), torch.randn(V, 4, dtype=torch.bfloat16), None):
-        torch.library.opcheck(gumbel_pick, (best, index, chunk_max, chunk_sum, table, 1,
-                                            *pick_buffers(3)))
+        torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets, table, 1,
+                                            *pick_buffers(3), 16, G))
     biased, (tokens, stat_max, stat_sum) = biased_buffer(3), pick_buffers(3)
     for k in range(K):
-        winners = gumbel_step(logits, bias, temperature, seeds, offsets, k, biased, 16, 1)
-        gumbel_pick(*winners, None, k, tokens, stat_max, stat_sum)
+        position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, block_v=16)
     torch.library.opcheck(write_proposals, (biased, stat_max, stat_sum, temperature, tokens,
                                             torch.tensor([2, 0, 3]), torch.zeros(4, K, V)))
 
@@ -76,21 +83,26 @@ def test_opcheck(dtype):
 def test_bad_inputs_are_named():
     logits, bias, temperature, seeds, offsets = make_inputs(3)
     with pytest.raises(ValueError, match="biased"):
-        gumbel_step(logits, bias, temperature, seeds, offsets, 0, biased_buffer(2), 64, 1)
+        gumbel_step(logits, bias, temperature, 0, biased_buffer(2), 64, 1, G)
     with pytest.raises(ValueError, match="k=2"):
-        gumbel_step(logits, bias, temperature, seeds, offsets, 2, biased_buffer(3), 64, 1)
-    with pytest.raises(ValueError, match="seed"):
-        gumbel_step(logits, bias, temperature, seeds.int(), offsets, 0, biased_buffer(3), 64, 1)
-    for tiles in ((24, 1), (64, 3)):
+        gumbel_step(logits, bias, temperature, 2, biased_buffer(3), 64, 1, G)
+    with pytest.raises(ValueError, match="temperature"):
+        gumbel_step(logits, bias, temperature.double(), 0, biased_buffer(3), 64, 1, G)
+    for tiles in ((24, 1, G), (64, 3, G), (64, 1, 6)):
         with pytest.raises(ValueError, match="powers of two"):
-            gumbel_step(logits, bias, temperature, seeds, offsets, 0, biased_buffer(3), *tiles)
+            gumbel_step(logits, bias, temperature, 0, biased_buffer(3), *tiles)
     with pytest.raises(ValueError, match="bias"):
-        gumbel_step(logits, bias[:, :-1], temperature, seeds, offsets, 0, biased_buffer(3), 64, 1)
-    best, index = torch.randn(3, 2), torch.zeros(3, 2, dtype=torch.int64)
+        gumbel_step(logits, bias[:, :-1], temperature, 0, biased_buffer(3), 64, 1, G)
+    biased = biased_buffer(3)
+    m, s, index = gumbel_step(logits, bias, temperature, 0, biased, 16, 1, G)
     with pytest.raises(ValueError, match="int64"):
-        gumbel_pick(best, index.int(), best, best, None, 0, *pick_buffers(3))
+        gumbel_pick(m, s, index.int(), biased, temperature, seeds, offsets, None, 0, *pick_buffers(3), 16, G)
     with pytest.raises(ValueError, match="k=2"):
-        gumbel_pick(best, index, best, best, None, 2, *pick_buffers(3))
+        gumbel_pick(m, s, index, biased, temperature, seeds, offsets, None, 2, *pick_buffers(3), 16, G)
+    with pytest.raises(ValueError, match="seed"):
+        gumbel_pick(m, s, index, biased, temperature, seeds.int(), offsets, None, 0, *pick_buffers(3), 16, G)
+    with pytest.raises(ValueError, match="do not fit"):
+        gumbel_pick(m, s, index, biased, temperature, seeds, offsets, None, 0, *pick_buffers(3), 4, G)
 
 
 # ---------------------------------------------------------------- what the step computes
@@ -111,10 +123,14 @@ def test_step_writes_biased_logits_and_statistics(dtype):
 
 
 def test_draw_depends_only_on_seed_offset_position_and_token():
+    """Not on the tiles (groups of 8 in tiles of 64, 32 and 16 tokens, tiles of 4 in groups of 8),
+    the batch row or the call; on the offset and the position."""
     logits, bias, temperature, seeds, offsets = make_inputs(64)
     tokens = draw(logits, bias, temperature, seeds, offsets)[0]
     for block_v in (32, 16, 8, 4):  # 2, 3, 5 and 10 tiles
         assert torch.equal(draw(logits, bias, temperature, seeds, offsets, block_v=block_v)[0], tokens)
+    one_group = draw(logits, bias, temperature, seeds, offsets, group_size=64)[0]
+    assert (one_group != tokens).float().mean() > 0.3  # the group size is part of the draw
     perm = torch.randperm(64)
     permuted = draw(logits[perm], bias[perm], temperature[perm], seeds[perm], offsets[perm])[0]
     assert torch.equal(permuted, tokens[perm])
@@ -147,8 +163,7 @@ def test_proposal_is_softmax_of_biased_logits_over_temperature(dtype):
     logits[2] = float("nan")
     biased, (tokens, stat_max, stat_sum) = biased_buffer(4), pick_buffers(4)
     for k in range(K):
-        winners = gumbel_step(logits, bias, temperature, seeds, offsets, k, biased, 16, 1)
-        gumbel_pick(*winners, None, k, tokens, stat_max, stat_sum)
+        position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, block_v=16)
     slots = torch.tensor([5, 1, 0, 3])
     probs = torch.full((6, K, V), -1.0)
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, probs)
@@ -164,9 +179,10 @@ def test_proposal_is_softmax_of_biased_logits_over_temperature(dtype):
 N = 20_000  # draws per test; one row each, all rows alike but for the Philox seed
 
 
-@pytest.mark.parametrize("block_v", [64, 16], ids=["1tile", "3tiles"])
+@pytest.mark.parametrize("block_v, group_size", [(64, 64), (64, 8), (16, 8), (4, 16)],
+                         ids=["1tile-1group", "1tile-5groups", "3tiles-5groups", "10tiles-3groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_draws_follow_softmax_of_biased_logits(dtype, block_v):
+def test_draws_follow_softmax_of_biased_logits(dtype, block_v, group_size):
     """Chi-square of N draws against softmax((logits + bias) / T) at tests/stats.py's threshold
     (df + 10 sqrt(2 df); about 23 bins stay after merging, so about 91). Power: a law whose expected
     statistic N * sum (p - q)^2 / q passes the threshold fails; the negative controls are the same
@@ -176,7 +192,7 @@ def test_draws_follow_softmax_of_biased_logits(dtype, block_v):
     temperature.fill_(0.8)
     seeds, offsets = torch.arange(N), torch.full((N,), 12345)
     tokens = draw(logits.repeat(N, 1, 1), bias.repeat(N, 1), temperature.repeat(N), seeds, offsets,
-                  k=1, block_v=block_v)[0]
+                  k=1, block_v=block_v, group_size=group_size)[0]
     counts = np.bincount(tokens.numpy(), minlength=V)
     biased = logits[:, 1].float() + bias
     assert_matches(counts, softmax64(biased, temperature)[0].numpy())
@@ -196,15 +212,13 @@ def test_padding_rows_draw_from_the_bias_alone():
 
 # ---------------------------------------------------------------- torch.compile
 
-def block(logits, bias, temperature, seeds, offsets, table, slots, probs, block_v, block_b):
+def block(logits, bias, temperature, seeds, offsets, table, slots, probs, block_v, block_b, group_size=G):
     """All K steps, picks and the proposal write -> tokens, rows, biased, stat_max, stat_sum."""
     batch, _, vocab = logits.shape
     biased = torch.full((batch, K, vocab), -7.0, device=logits.device)
     tokens, stat_max, stat_sum = pick_buffers(batch, logits.device)
-    rows = []
-    for k in range(K):
-        winners = gumbel_step(logits, bias, temperature, seeds, offsets, k, biased, block_v, block_b)
-        rows.append(gumbel_pick(*winners, table, k, tokens, stat_max, stat_sum))
+    rows = [position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, table,
+                     block_v, block_b, group_size) for k in range(K)]
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, probs)
     return tokens, torch.stack(rows, 1), biased, stat_max, stat_sum
 
@@ -225,7 +239,7 @@ def test_ops_compile_with_inductor():
 # ---------------------------------------------------------------- the CUDA kernels
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1), (4096, 4), (256, 2)])
+@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (4096, 4, 1024), (256, 2, 1024), (2048, 1, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
     """B = 37 crosses row tiles of 2 and 4; the bias (in the logits' dtype) is added in float32
@@ -247,7 +261,7 @@ def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1), (256, 2)], ids=["1row", "2rows"])
+@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (256, 2, 1024)], ids=["1row", "2rows"])
 def test_block_replays_in_a_cuda_graph(tiles):
     """A CUDA graph replay draws what the eager call draws; a new offset draws anew."""
     logits, bias, temperature, seeds, offsets = (
@@ -278,12 +292,11 @@ def test_opcheck_cuda():
     logits, bias, temperature, seeds, offsets = (t.cuda() for t in make_inputs(3, torch.bfloat16))
     biased = biased_buffer(3, device="cuda")
     for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1)):
-        torch.library.opcheck(gumbel_step, (logits, b, temperature, seeds, offsets, 1, biased, 16,
-                                            block_b))
-    winners = gumbel_step(logits, bias, temperature, seeds, offsets, 0, biased, 16, 2)
+        torch.library.opcheck(gumbel_step, (logits, b, temperature, 1, biased, 16, block_b, G))
+    units = gumbel_step(logits, bias, temperature, 0, biased, 16, 2, G)
     tokens, stat_max, stat_sum = pick_buffers(3, "cuda")
-    torch.library.opcheck(gumbel_pick, (*winners, torch.randn(V, 4, device="cuda"), 0, tokens,
-                                        stat_max, stat_sum))
+    torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets,
+                                        torch.randn(V, 4, device="cuda"), 0, tokens, stat_max, stat_sum, 16, G))
     torch.library.opcheck(write_proposals, (biased, stat_max, stat_sum, temperature, tokens,
                                             torch.arange(3, device="cuda"),
                                             torch.zeros(3, K, V, device="cuda")))

@@ -1,23 +1,29 @@
 """Gumbel-max drafting, one draft position at a time: the step op and the pick op.
 
 Draft position k is drawn from softmax(x), x = (base_k + bias) * (1 / T) with one correctly rounded
-reciprocal per row, by the exponential race argmax_v exp(x_v) / e_v: e_v ~ Exp(1) is the exponential
-of token v's Philox word in stream STREAM_DRAFT + k (philox.py). That is Gumbel-max,
-argmax_v x_v - log(e_v), without a second log per token. The vocabulary is cut into tiles of
-`block_v` tokens (and the batch into tiles of `block_b` rows). Per (row, tile) the step computes the
-softmax statistics of x, the tile's max m and s = sum_v exp(x_v - m), and runs the race with the
-exp(x_v - m) it has computed for s; the tile's winner carries the score
-m + log(max_v exp(x_v - m) / e_v), so that tiles compare. The noise of a token depends only on
-(seed, offset, position, token id): the draw does not depend on the tiling, but for float32
-rounding of near ties (a ratio is rounded relative to its tile's max). Ties go to the smallest id.
+reciprocal per row, in two exponential races (Gumbel-max on two levels). The vocabulary is cut into
+groups of `group_size` tokens (GROUP_SIZE, a constant of the draw, not of the kernels' tiling):
+1. the group race: group c wins with probability S_c / sum S, S_c = sum_{v in c} exp(x_v), as
+   argmax_c (m_c + log s_c - log E_c), where m_c, s_c are the group's softmax statistics (max and
+   sum of exp(x_v - m_c)) and E_c ~ Exp(1) is the exponential of group c's Philox word in stream
+   STREAM_DRAFT_GROUP + k (philox.py; group c takes the word of "token" c);
+2. the token race inside the winning group: argmax_v exp(x_v - m_c) / e_v, e_v ~ Exp(1) token v's
+   word in stream STREAM_DRAFT + k.
+Together they draw v with probability exp(x_v) / sum exp(x): exactly softmax(x), as one race over the
+vocabulary would, but the per-token noise is computed for one group per row, not for the whole
+vocabulary, so the step that streams the vocabulary is bound by its bytes, not by Philox rounds. The
+noise depends only on (seed, offset, position, token or group id): the draw does not depend on the
+kernels' tiles, but for float32 rounding of near ties (group sums are summed in tile order).
 
-The Markov bias is a cuBLAS GEMM through the head before the step (the seed's design); the step
-adds it, writes the biased float32 logits (for the proposal op) and returns every tile's winner and
-statistics. The pick op reduces them to the token, merges the statistics into one (max, sum) per
-(row, position) and gathers the next Markov embedding.
+The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows) adds the Markov
+bias (a cuBLAS GEMM through the head before the step: the seed's design), writes the biased float32
+logits (read again by the pick and by the proposal op) and per unit of min(block_v, group_size)
+tokens the softmax statistics of x and the argmax of x. The pick op merges the units into groups
+and into the row's statistics, runs the two races (re-reading the winning group's biased logits),
+writes the token and gathers the next Markov embedding.
 
-Greedy rows (T = 0) take the argmax of the biased logits, without noise. NaN base logits (CUDA-graph
-padding rows) count as 0, so such a row draws from the bias alone.
+Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
+base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
 """
 from __future__ import annotations
 
@@ -30,30 +36,36 @@ from torch.library import triton_op, wrap_triton
 
 from dspark.ops.checks import check_rows
 from dspark.ops.fastmath import fast_divide, fast_exp
-from dspark.ops.philox import STREAM_DRAFT, token_exponentials, token_exponentials_torch
+from dspark.ops.philox import (STREAM_DRAFT, STREAM_DRAFT_GROUP, token_exponentials,
+                               token_exponentials_torch)
 
+GROUP_SIZE = 1024  # tokens per group of the two-level race (part of the draw's definition)
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
 
 
 def step_tiles(batch: int) -> tuple[int, int]:
     """The step's tiles for a batch of `batch` rows: 2048-token tiles from 8 rows on, where the
-    fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
-    bench/drafting.py --tiles on the H200, docs/performance.md)."""
+    fewer tiles per row took 4-6% off a block at B = 44 and 88 with the one-level race (and 2% more
+    at B = 1; bench/drafting.py --tiles on the H200, docs/performance.md)."""
     return STEP_TILES if batch < 8 else (2048, 1)
 
 
-def num_chunks(vocab_size: int, block_v: int) -> int:
-    """Number of vocabulary tiles of `block_v` tokens: the width of the step's outputs."""
-    return triton.cdiv(vocab_size, block_v)
+def unit_size(block_v: int, group_size: int) -> int:
+    """Tokens per unit of the step's outputs: a tile, or a group where a tile holds several."""
+    return min(block_v, group_size)
+
+
+def num_units(vocab_size: int, block_v: int, group_size: int) -> int:
+    """Width of the step's outputs: units of unit_size(block_v, group_size) tokens."""
+    return triton.cdiv(vocab_size, unit_size(block_v, group_size))
 
 
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, biased_ptr, best_ptr,
-                 index_ptr, chunk_max_ptr, chunk_sum_ptr, k, philox_stream, batch, vocab_size,
-                 num_positions, logits_row_stride, logits_pos_stride, HAS_BIAS: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, biased_ptr, unit_max_ptr, unit_sum_ptr,
+                 unit_index_ptr, k, batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
+                 HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr):
     """One program per (row tile, vocabulary tile)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
@@ -72,37 +84,30 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, seed_ptr, offset_ptr, bi
              mask=inside)
 
     temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
-    greedy = temperature == 0.0
-    inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(greedy, 1.0, temperature))
-    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # proposal.py scales the same way
-    m = tl.max(x, 1)
-    p = fast_exp(x - tl.where(m == float("-inf"), 0.0, m)[:, None])  # flushed below 2^-126: no effect
+    inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(temperature == 0.0, 1.0, temperature))
+    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # the pick and proposal.py scale the same way
+    UNITS: tl.constexpr = BLOCK_V // UNIT
+    x = tl.reshape(x, [BLOCK_B, UNITS, UNIT])
+    m, index = tl.max(x, 2, return_indices=True, return_indices_tie_break_left=True)
+    p = fast_exp(x - tl.where(m == float("-inf"), 0.0, m)[:, :, None])  # flushed below 2^-126: no effect
 
-    counters = tile * (BLOCK_V // 4) + tl.arange(0, BLOCK_V // 4)
-    streams = counters * 0 + philox_stream  # a tensor where Triton specializes the int to a constexpr
-    seed = tl.load(seed_ptr + rows, mask=is_row, other=0)[:, None]
-    offset = tl.load(offset_ptr + rows, mask=is_row, other=0)[:, None]
-    e = token_exponentials(seed, offset, counters[None, :], streams[None, :])
-    score = tl.where(greedy[:, None], x, fast_divide(p, e))  # x: biased or -inf for greedy rows
-    best, index = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
-    best = tl.where(greedy, best, m + tl.log(tl.where(greedy, 1.0, best)))
-
-    out = rows * tl.num_programs(1) + tile
-    tl.store(best_ptr + out, best, mask=is_row)
-    tl.store(index_ptr + out, tile * BLOCK_V + index, mask=is_row)
-    tl.store(chunk_max_ptr + out, m, mask=is_row)
-    tl.store(chunk_sum_ptr + out, tl.sum(p, 1), mask=is_row)
+    units = tile * UNITS + tl.arange(0, UNITS)
+    out = rows[:, None] * tl.cdiv(vocab_size, UNIT) + units[None, :]
+    is_unit = is_row[:, None] & (units * UNIT < vocab_size)[None, :]
+    tl.store(unit_max_ptr + out, m, mask=is_unit)
+    tl.store(unit_sum_ptr + out, tl.sum(p, 2), mask=is_unit)
+    tl.store(unit_index_ptr + out, units[None, :] * UNIT + index, mask=is_unit)
 
 
-def launch_step(wrap, logits, bias, temperature, seed, offset, k, biased, block_v, block_b, best,
-                index, chunk_max, chunk_sum):
+def launch_step(wrap, logits, bias, temperature, k, biased, block_v, block_b, group_size, unit_max,
+                unit_sum, unit_index):
     """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
     interpreter tests). bias: [B, V] or None."""
     batch, positions, vocab = logits.shape
-    wrap(_step_kernel)[(triton.cdiv(batch, block_b), num_chunks(vocab, block_v))](
-        logits, logits if bias is None else bias, temperature, seed, offset, biased, best, index,
-        chunk_max, chunk_sum, k, STREAM_DRAFT + k, batch, vocab, positions, logits.stride(0),
-        logits.stride(1), HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_V=block_v,
+    wrap(_step_kernel)[(triton.cdiv(batch, block_b), triton.cdiv(vocab, block_v))](
+        logits, logits if bias is None else bias, temperature, biased, unit_max, unit_sum, unit_index,
+        k, batch, vocab, positions, logits.stride(0), logits.stride(1), HAS_BIAS=bias is not None,
+        BLOCK_B=block_b, BLOCK_V=block_v, UNIT=unit_size(block_v, group_size),
         num_warps=step_warps(block_v, block_b))
 
 
@@ -111,64 +116,66 @@ def step_warps(block_v: int, block_b: int) -> int:
     return 4 if block_b * block_v <= 4096 else 8
 
 
-def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
-               offset: Tensor, k: int, biased: Tensor, block_v: int) -> tuple[Tensor, ...]:
+def scaled(biased: Tensor, temperature: Tensor) -> Tensor:
+    """x = biased * (1 / T) as the kernels round it (greedy rows: T counts as 1); biased [B, ...]."""
+    inverse = 1.0 / torch.where(temperature == 0, 1.0, temperature)
+    return biased * inverse.view(-1, *[1] * (biased.dim() - 1))
+
+
+def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
+               block_v: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """The step in plain torch (the CPU implementation; the same function as the kernel), for a
     bias [B, V] float32 or None."""
     batch, _, vocab = logits.shape
-    chunks = num_chunks(vocab, block_v)
+    unit = unit_size(block_v, group_size)
+    units = triton.cdiv(vocab, unit)
     base = logits[:, k].float()
     row = torch.where(base.isnan(), 0.0, base)
     if bias is not None:
         row = row + bias
     biased[:, k] = row
-
-    def by_chunk(t: Tensor, fill: float) -> Tensor:  # [B, V] -> [B, C, block_v], padded with fill
-        return F.pad(t, (0, chunks * block_v - vocab), value=fill).view(batch, chunks, block_v)
-
-    greedy = temperature == 0
-    inverse = 1.0 / torch.where(greedy, 1.0, temperature)
-    x = by_chunk(row * inverse[:, None], float("-inf"))
-    m = x.amax(-1)
+    x = F.pad(scaled(row, temperature), (0, units * unit - vocab), value=float("-inf")).view(batch, units, unit)
+    m, index = x.max(-1)  # the first maximum: ties go to the smallest id
     p = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[..., None])
-    e = by_chunk(token_exponentials_torch(seed[:, None], offset[:, None], vocab, STREAM_DRAFT + k), 1.0)
-    score = torch.where(greedy[:, None, None], by_chunk(row, float("-inf")), p / e)
-    best, index = score.max(-1)  # the first maximum: ties go to the smallest id
-    best = torch.where(greedy[:, None], best, m + torch.log(torch.where(greedy[:, None], 1.0, best)))
-    return best, index + block_v * torch.arange(chunks, device=logits.device), m, p.sum(-1)
+    return m, p.sum(-1), index + unit * torch.arange(units, device=logits.device)
 
 
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
-def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, seed: Tensor,
-                offset: Tensor, k: int, biased: Tensor, block_v: int = STEP_TILES[0],
-                block_b: int = STEP_TILES[1]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gumbel-max step of draft position k.
+def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
+                block_v: int = STEP_TILES[0], block_b: int = STEP_TILES[1],
+                group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
+    """Step of draft position k: the pass over the vocabulary.
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
-    (no Markov head); temperature [B] float32 (0 = greedy row); seed, offset [B] int64.
-    Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32). block_v (a power of two, at
-    least 4) and block_b (a power of two) tile the vocabulary and the batch.
-    Returns per (row, vocabulary tile), each [B, C] with C = num_chunks(V, block_v): the winner's
-    score (float32) and token id (int64), and the tile's softmax statistics of x = biased / T, its
-    max and sum of exp(x - max) (float32).
+    (no Markov head); temperature [B] float32 (0 = greedy row).
+    Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32). block_v (a power of two) and
+    block_b (a power of two) tile the vocabulary and the batch; group_size (a power of two) is the
+    draw's group (module docstring).
+    Returns per (row, unit of unit_size(block_v, group_size) tokens), each [B, U] with
+    U = num_units(V, block_v, group_size): the softmax statistics of x = biased / T, its max and sum
+    of exp(x - max) (float32), and the token id of its max (int64, the smallest on ties).
     """
-    _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b)
+    _check_step(logits, temperature, k, biased, block_v, block_b, group_size)
     if bias is not None and (bias.shape != (logits.shape[0], logits.shape[-1])
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{logits.shape[0]}, {logits.shape[-1]}], "
                          f"got {tuple(bias.shape)}")
     if logits.device.type == "cpu":
-        return step_torch(logits, None if bias is None else bias.float(), temperature, seed, offset,
-                          k, biased, block_v)
-    shape = (logits.shape[0], num_chunks(logits.shape[-1], block_v))
-    best, chunk_max, chunk_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(3))
-    index = logits.new_empty(shape, dtype=torch.int64)
-    launch_step(wrap_triton, logits, bias, temperature, seed, offset, k, biased, block_v, block_b,
-                best, index, chunk_max, chunk_sum)
-    return best, index, chunk_max, chunk_sum
+        return step_torch(logits, None if bias is None else bias.float(), temperature, k, biased, block_v,
+                          group_size)
+    shape = (logits.shape[0], num_units(logits.shape[-1], block_v, group_size))
+    unit_max, unit_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(2))
+    unit_index = logits.new_empty(shape, dtype=torch.int64)
+    launch_step(wrap_triton, logits, bias, temperature, k, biased, block_v, block_b, group_size, unit_max,
+                unit_sum, unit_index)
+    return unit_max, unit_sum, unit_index
 
 
-def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_step(logits, temperature, k, biased, block_v, block_b, group_size):
     if logits.dim() != 3 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [B, K, V] with contiguous rows, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
@@ -178,88 +185,146 @@ def _check_step(logits, temperature, seed, offset, k, biased, block_v, block_b):
     if biased.shape != logits.shape or biased.dtype != torch.float32 or not biased.is_contiguous():
         raise ValueError(f"biased must be contiguous float32 {tuple(logits.shape)}, "
                          f"got {biased.dtype} {tuple(biased.shape)}")
-    if block_v < 4 or block_v & (block_v - 1) or block_b < 1 or block_b & (block_b - 1):
-        raise ValueError(f"block_v (at least 4) and block_b must be powers of two, got {block_v}, "
-                         f"{block_b}")
-    check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
-               offset=(offset, torch.int64))
+    if not all(map(_is_power_of_two, (block_v, block_b, group_size))) or group_size < 4:
+        raise ValueError(f"block_v, block_b and group_size (at least 4) must be powers of two, got "
+                         f"{block_v}, {block_b}, {group_size}")
+    check_rows(batch, temperature=(temperature, torch.float32))
 
 
 # ---------------------------------------------------------------- pick
 
 @triton.jit
-def _pick_kernel(best_ptr, index_ptr, chunk_max_ptr, chunk_sum_ptr, table_ptr, tokens_ptr,
-                 stat_max_ptr, stat_sum_ptr, rows_ptr, k, num_positions, num_chunks, rank,
-                 table_stride, GATHER: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, biased_ptr, temperature_ptr, seed_ptr,
+                 offset_ptr, table_ptr, tokens_ptr, stat_max_ptr, stat_sum_ptr, rows_ptr, k, group_stream,
+                 token_stream, num_positions, num_units, vocab_size, rank, table_stride, GATHER: tl.constexpr,
+                 BLOCK_G: tl.constexpr, UNITS_PER_GROUP: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """One program per row: the units merged into groups [BLOCK_G, UNITS_PER_GROUP], the two races."""
     row = tl.program_id(0).to(tl.int64)
-    chunks = row * num_chunks + tl.arange(0, BLOCK_C)
-    is_chunk = tl.arange(0, BLOCK_C) < num_chunks
-    best = tl.load(best_ptr + chunks, mask=is_chunk, other=float("-inf"))
-    token = tl.load(index_ptr + row * num_chunks + tl.argmax(best, 0, tie_break_left=True))
-    tl.store(tokens_ptr + row * num_positions + k, token)
-
-    m = tl.load(chunk_max_ptr + chunks, mask=is_chunk, other=float("-inf"))
-    s = tl.load(chunk_sum_ptr + chunks, mask=is_chunk, other=0.0)
-    m_all = tl.max(m, 0)
+    unit = tl.arange(0, BLOCK_G)[:, None] * UNITS_PER_GROUP + tl.arange(0, UNITS_PER_GROUP)[None, :]
+    is_unit = unit < num_units
+    m_unit = tl.load(unit_max_ptr + row * num_units + unit, mask=is_unit, other=float("-inf"))
+    s_unit = tl.load(unit_sum_ptr + row * num_units + unit, mask=is_unit, other=0.0)
+    m_group = tl.max(m_unit, 1)
+    s_group = tl.sum(tl.where(m_unit == float("-inf"), 0.0, s_unit * tl.exp(m_unit - m_group[:, None])), 1)
+    m_all = tl.max(m_group, 0)
+    mass = tl.where(m_group == float("-inf"), 0.0, s_group * tl.exp(m_group - m_all))  # S_c / exp(m_all)
     tl.store(stat_max_ptr + row * num_positions + k, m_all)
-    tl.store(stat_sum_ptr + row * num_positions + k,
-             tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_all)), 0))
+    tl.store(stat_sum_ptr + row * num_positions + k, tl.sum(mass, 0))
+
+    # greedy rows: the unit of the first maximum, its token
+    first = tl.argmax(tl.reshape(m_unit, [BLOCK_G * UNITS_PER_GROUP]), 0, tie_break_left=True)
+    greedy_token = tl.load(unit_index_ptr + row * num_units + first)
+
+    # the group race, then the token race inside the winning group
+    seed = tl.load(seed_ptr + row)
+    offset = tl.load(offset_ptr + row)
+    counters = tl.arange(0, BLOCK_G // 4)
+    group_noise = token_exponentials(seed, offset, counters, counters * 0 + group_stream)
+    group = tl.argmax(fast_divide(mass, group_noise), 0, tie_break_left=True).to(tl.int64)
+    tokens = group * GROUP + tl.arange(0, GROUP)
+    inside = tokens < vocab_size
+    biased = tl.load(biased_ptr + (row * num_positions + k) * vocab_size + tokens, mask=inside, other=0.0)
+    temperature = tl.load(temperature_ptr + row)
+    inverse = tl.div_rn(1.0, tl.where(temperature == 0.0, 1.0, temperature))
+    x = tl.where(inside, biased * inverse, float("-inf"))
+    p = fast_exp(x - tl.max(x, 0))
+    counters = group * (GROUP // 4) + tl.arange(0, GROUP // 4)
+    token_noise = token_exponentials(seed, offset, counters, counters * 0 + token_stream)
+    drawn = group * GROUP + tl.argmax(fast_divide(p, token_noise), 0, tie_break_left=True)
+    token = tl.where(temperature == 0.0, greedy_token, drawn)
+    tl.store(tokens_ptr + row * num_positions + k, token)
     if GATHER:
         cols = tl.arange(0, BLOCK_R)
         values = tl.load(table_ptr + token * table_stride + cols, mask=cols < rank)
         tl.store(rows_ptr + row * rank + cols, values, mask=cols < rank)
 
 
-def launch_gumbel_pick(wrap, best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
-                       stat_sum, rows):
-    batch, chunks = best.shape
+def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, k,
+                       block_v, group_size, tokens, stat_max, stat_sum, rows):
+    batch, units = unit_max.shape
     rank = rows.shape[-1]
+    units_per_group = group_size // unit_size(block_v, group_size)
+    groups = triton.cdiv(units, units_per_group)
     wrap(_pick_kernel)[(batch,)](
-        best, index, chunk_max, chunk_sum, best if table is None else table, tokens, stat_max,
-        stat_sum, rows, k, tokens.shape[1], chunks, rank, 0 if table is None else table.stride(0),
-        GATHER=table is not None, BLOCK_C=triton.next_power_of_2(chunks),
-        BLOCK_R=triton.next_power_of_2(max(rank, 1)))
+        unit_max, unit_sum, unit_index, biased, temperature, seed, offset,
+        unit_max if table is None else table, tokens, stat_max, stat_sum, rows, k, STREAM_DRAFT_GROUP + k,
+        STREAM_DRAFT + k, tokens.shape[1], units, biased.shape[-1], rank, 0 if table is None else table.stride(0),
+        GATHER=table is not None, BLOCK_G=max(4, triton.next_power_of_2(groups)), UNITS_PER_GROUP=units_per_group,
+        GROUP=group_size, BLOCK_R=triton.next_power_of_2(max(rank, 1)))
 
 
-def gumbel_pick_torch(best: Tensor, index: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
-                      table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
+def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, biased: Tensor,
+                      temperature: Tensor, seed: Tensor, offset: Tensor, table: Tensor | None, k: int,
+                      block_v: int, group_size: int, tokens: Tensor, stat_max: Tensor,
                       stat_sum: Tensor) -> Tensor:
     """The pick op in plain torch (the CPU implementation)."""
-    token = index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)  # first maximum
-    tokens[:, k] = token
-    m_all = chunk_max.amax(1, keepdim=True)
+    batch, units = unit_max.shape
+    vocab = biased.shape[-1]
+    per_group = group_size // unit_size(block_v, group_size)
+    groups = triton.cdiv(units, per_group)
+    pad = groups * per_group - units
+    m_unit = F.pad(unit_max, (0, pad), value=float("-inf")).view(batch, groups, per_group)
+    s_unit = F.pad(unit_sum, (0, pad)).view(batch, groups, per_group)
+    m_group = m_unit.amax(-1)
+    s_group = torch.where(m_unit == float("-inf"), 0.0, s_unit * torch.exp(m_unit - m_group[..., None])).sum(-1)
+    m_all = m_group.amax(-1, keepdim=True)
+    mass = torch.where(m_group == float("-inf"), 0.0, s_group * torch.exp(m_group - m_all))
     stat_max[:, k] = m_all.squeeze(1)
-    stat_sum[:, k] = torch.where(chunk_max == float("-inf"), 0.0,
-                                 chunk_sum * torch.exp(chunk_max - m_all)).sum(1)
-    return best.new_empty((best.shape[0], 0)) if table is None else table[token]
+    stat_sum[:, k] = mass.sum(-1)
+
+    greedy_token = unit_index.gather(1, unit_max.argmax(1, keepdim=True)).squeeze(1)  # first maximum
+    seed, offset = seed[:, None], offset[:, None]
+    group_noise = token_exponentials_torch(seed, offset, groups, STREAM_DRAFT_GROUP + k)
+    group = (mass / group_noise).argmax(1, keepdim=True)  # [B, 1]
+    ids = group * group_size + torch.arange(group_size, device=biased.device)
+    inside = ids < vocab
+    x = torch.where(inside, scaled(biased[:, k].gather(1, ids.clamp_max(vocab - 1)), temperature), float("-inf"))
+    p = torch.exp(x - x.amax(-1, keepdim=True))
+    token_noise = token_exponentials_torch(seed, offset, group_size, STREAM_DRAFT + k, first=group * group_size)
+    drawn = group.squeeze(1) * group_size + (p / token_noise).argmax(1)
+    token = torch.where(temperature == 0, greedy_token, drawn)
+    tokens[:, k] = token
+    return unit_max.new_empty((batch, 0)) if table is None else table[token]
 
 
 @triton_op("dspark::gumbel_pick", mutates_args=("tokens", "stat_max", "stat_sum"))
-def gumbel_pick(best: Tensor, index: Tensor, chunk_max: Tensor, chunk_sum: Tensor,
-                table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
-                stat_sum: Tensor) -> Tensor:
-    """Reduces a step's per-tile outputs (best, index, chunk_max, chunk_sum [B, C]) for position k:
-    writes the drawn token to tokens[:, k] ([B, K] int64) and the merged softmax statistics of the
-    position, max M and sum of exp(x - M), to stat_max[:, k] and stat_sum[:, k] ([B, K] float32).
-    Returns the token's row of the Markov embedding table ([V, r], any dtype) for the next position:
-    [B, r] in the table's dtype ([B, 0] float32 when table is None)."""
-    if best.dim() != 2 or index.dtype != torch.int64 or any(
-            t.shape != best.shape or not t.is_contiguous() for t in (best, index, chunk_max, chunk_sum)):
-        raise ValueError(f"best, index (int64), chunk_max, chunk_sum must be contiguous [B, C], got "
-                         f"{[tuple(t.shape) for t in (best, index, chunk_max, chunk_sum)]}")
-    batch = best.shape[0]
+def gumbel_pick(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, biased: Tensor, temperature: Tensor,
+                seed: Tensor, offset: Tensor, table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
+                stat_sum: Tensor, block_v: int = STEP_TILES[0], group_size: int = GROUP_SIZE) -> Tensor:
+    """Draws position k from a step's outputs (unit_max, unit_sum, unit_index [B, U], the step's
+    block_v and group_size) and the biased logits it wrote (biased [B, K, V] float32): the two races
+    of the module docstring for rows with T > 0, the argmax for greedy rows (temperature [B] float32;
+    seed, offset [B] int64). Writes the token to tokens[:, k] ([B, K] int64) and the merged softmax
+    statistics of the position, max M and sum of exp(x - M), to stat_max[:, k] and stat_sum[:, k]
+    ([B, K] float32). Returns the token's row of the Markov embedding table ([V, r], any dtype) for
+    the next position: [B, r] in the table's dtype ([B, 0] float32 when table is None)."""
+    if unit_max.dim() != 2 or unit_index.dtype != torch.int64 or any(
+            t.shape != unit_max.shape or not t.is_contiguous() for t in (unit_max, unit_sum, unit_index)):
+        raise ValueError(f"unit_max, unit_sum, unit_index (int64) must be contiguous [B, U], got "
+                         f"{[tuple(t.shape) for t in (unit_max, unit_sum, unit_index)]}")
+    batch = unit_max.shape[0]
     if tokens.dim() != 2 or tokens.shape[0] != batch or tokens.dtype != torch.int64 or any(
             t.shape != tokens.shape or not t.is_contiguous() for t in (tokens, stat_max, stat_sum)):
         raise ValueError(f"tokens (int64), stat_max, stat_sum must be contiguous [{batch}, K]")
     if not 0 <= k < tokens.shape[1]:
         raise ValueError(f"draft position k={k} outside 0..{tokens.shape[1] - 1}")
+    if biased.shape[:2] != tokens.shape or biased.dtype != torch.float32 or not biased.is_contiguous():
+        raise ValueError(f"biased must be contiguous float32 [{batch}, {tokens.shape[1]}, V], got "
+                         f"{biased.dtype} {tuple(biased.shape)}")
+    if not (_is_power_of_two(block_v) and _is_power_of_two(group_size) and group_size >= 4) or \
+            unit_max.shape[1] != num_units(biased.shape[-1], block_v, group_size):
+        raise ValueError(f"the step's outputs [B, {unit_max.shape[1]}] do not fit block_v={block_v}, "
+                         f"group_size={group_size} and V={biased.shape[-1]}")
     if table is not None and (table.dim() != 2 or table.stride(1) != 1):
         raise ValueError(f"table must be [V, r] with contiguous rows, got {tuple(table.shape)}")
-    if best.device.type == "cpu":
-        return gumbel_pick_torch(best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
-                                 stat_sum)
-    rows = (best.new_empty((batch, 0)) if table is None
+    check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
+               offset=(offset, torch.int64))
+    if unit_max.device.type == "cpu":
+        return gumbel_pick_torch(unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, k,
+                                 block_v, group_size, tokens, stat_max, stat_sum)
+    rows = (unit_max.new_empty((batch, 0)) if table is None
             else table.new_empty((batch, table.shape[1])))
-    launch_gumbel_pick(wrap_triton, best, index, chunk_max, chunk_sum, table, k, tokens, stat_max,
-                       stat_sum, rows)
+    launch_gumbel_pick(wrap_triton, unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table,
+                       k, block_v, group_size, tokens, stat_max, stat_sum, rows)
     return rows

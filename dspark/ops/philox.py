@@ -38,6 +38,7 @@ M_LOW_BITS = 0x3F400000  # float32 0.75: mantissas are brought into [0.75, 1.5)
 STREAM_DRAFT = 0 << 16  # noise of draft position k
 STREAM_ACCEPT = 1 << 16  # acceptance uniform of verified position i
 STREAM_TARGET = 2 << 16  # noise of the correction / bonus token at position i
+STREAM_DRAFT_GROUP = 3 << 16  # noise of the vocabulary groups at draft position k (gumbel_max.py)
 
 # Compiled Triton reads module globals only as constexprs: the kernels use these copies.
 _ROUND_A, _ROUND_B, _KEY_A, _KEY_B, _N_ROUNDS, _TWO_POW_M32, _TWO_POW_M33, _U_MAX, _LN2, _M_LOW_BITS = (
@@ -143,10 +144,11 @@ def philox_torch(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor
 
 
 def token_words_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,
-                      stream: torch.Tensor | int) -> torch.Tensor:
-    """The words of tokens 0 .. num_tokens - 1: [..., num_tokens], where ... is the broadcast shape of
-    seed, offset and stream (give them a trailing axis of size 1)."""
-    counter = torch.arange(triton.cdiv(num_tokens, 4), device=seed.device)
+                      stream: torch.Tensor | int, first: torch.Tensor | int = 0) -> torch.Tensor:
+    """The words of tokens first .. first + num_tokens - 1: [..., num_tokens], where ... is the
+    broadcast shape of seed, offset, stream and first (give them a trailing axis of size 1; first a
+    multiple of 4)."""
+    counter = first // 4 + torch.arange(triton.cdiv(num_tokens, 4), device=seed.device)
     words = torch.stack(philox_torch(seed, offset, counter, stream), dim=-1)  # [..., N / 4, 4]
     return words.flatten(-2)[..., :num_tokens]
 
@@ -168,9 +170,10 @@ def exponential_torch(u: torch.Tensor) -> torch.Tensor:
 
 
 def token_exponentials_torch(seed: torch.Tensor, offset: torch.Tensor, num_tokens: int,
-                             stream: torch.Tensor | int) -> torch.Tensor:
-    """Same as `token_exponentials`, for tokens 0 .. num_tokens - 1 (shapes as token_words_torch)."""
-    return exponential_torch(uniform_torch(token_words_torch(seed, offset, num_tokens, stream)))
+                             stream: torch.Tensor | int, first: torch.Tensor | int = 0) -> torch.Tensor:
+    """Same as `token_exponentials`, for tokens first .. first + num_tokens - 1 (shapes as
+    token_words_torch)."""
+    return exponential_torch(uniform_torch(token_words_torch(seed, offset, num_tokens, stream, first)))
 
 
 def single_uniform_torch(seed: torch.Tensor, offset: torch.Tensor, stream: torch.Tensor | int) -> torch.Tensor:

@@ -3,13 +3,12 @@ implementations: biased logits, tile maxima, winners' token ids and gathered row
 proposals to float32 rounding (numpy's exp/log may differ from torch's by an ulp).
 
 The step kernel is checked without a bias and with a precomputed bias (in the logits' dtype), one and
-several vocabulary tiles, one and several rows per tile (B = 3 and 5 cross row tiles of 2 and 4,
+several vocabulary tiles (holding one group, a part of one or several groups), one and several rows per tile (B = 3 and 5 cross row tiles of 2 and 4,
 leaving masked rows in the last tile), float32 and bfloat16 logits, greedy and NaN padding rows."""
 import pytest
 import torch
 
-from dspark.ops.gumbel_max import (gumbel_pick_torch, launch_gumbel_pick, launch_step, num_chunks,
-                                   step_torch)
+from dspark.ops.gumbel_max import gumbel_pick_torch, launch_gumbel_pick, launch_step, num_units, step_torch
 from dspark.ops.proposal import launch_write_proposals, write_proposals_torch
 
 K, V, R = 2, 300, 24
@@ -42,57 +41,55 @@ def inputs(batch, dtype, seed=0):
     return logits, bias, temperature, seeds, offsets
 
 
-def kernel_steps(logits, bias, temperature, seed, offset, block_v, block_b):
-    """All K steps of the kernel into fresh buffers -> biased, [(best, index, chunk_max, chunk_sum)]."""
+def kernel_steps(logits, bias, temperature, block_v, block_b, group_size):
+    """All K steps of the kernel into fresh buffers -> biased, [(unit_max, unit_sum, unit_index)]."""
     batch = logits.shape[0]
     biased = torch.full((batch, K, V), -1.0)
     outputs = []
     for k in range(K):
-        shape = (batch, num_chunks(V, block_v))
-        out = (torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64),
-               torch.full(shape, -1.0), torch.full(shape, -1.0))
-        launch_step(run_kernel, logits, bias, temperature, seed, offset, k, biased, block_v, block_b,
-                    *out)
+        shape = (batch, num_units(V, block_v, group_size))
+        out = (torch.full(shape, -1.0), torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64))
+        launch_step(run_kernel, logits, bias, temperature, k, biased, block_v, block_b, group_size, *out)
         outputs.append(out)
     return biased, outputs
 
 
-def torch_steps(logits, bias, temperature, seed, offset, block_v):
+def torch_steps(logits, bias, temperature, block_v, group_size):
     biased = torch.full((logits.shape[0], K, V), -1.0)
     bias = None if bias is None else bias.float()
-    return biased, [step_torch(logits, bias, temperature, seed, offset, k, biased, block_v)
-                    for k in range(K)]
+    return biased, [step_torch(logits, bias, temperature, k, biased, block_v, group_size) for k in range(K)]
 
 
 def assert_steps_equal(got, want):
     assert torch.equal(got[0], want[0])  # biased logits: exact
-    for (best, index, m, s), (want_best, want_index, want_m, want_s) in zip(got[1], want[1]):
+    for (m, s, index), (want_m, want_s, want_index) in zip(got[1], want[1]):
         assert torch.equal(index, want_index)
-        assert torch.equal(m, want_m)  # tile maxima of the correctly rounded biased * (1 / T)
+        assert torch.equal(m, want_m)  # unit maxima of the correctly rounded biased * (1 / T)
         torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
-        torch.testing.assert_close(best, want_best, rtol=1e-6, atol=1e-6)
 
 
-TILES = [(512, 1), (128, 1), (64, 4), (16, 2)]  # (block_v, block_b)
+TILES = [(512, 1, 512), (128, 1, 32), (64, 4, 128), (16, 2, 64)]  # (block_v, block_b, group_size)
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("batch", [1, 3, 5])
-@pytest.mark.parametrize("tiles", TILES, ids=["1tile-1row", "3tiles-1row", "5tiles-4rows",
-                                              "19tiles-2rows"])
+@pytest.mark.parametrize("tiles", TILES, ids=["1tile-1row-1group", "3tiles-1row-10groups", "5tiles-4rows-3groups",
+                                              "19tiles-2rows-5groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_kernel_matches_torch(dtype, tiles, batch, with_bias):
     """The bias (if any) in the logits' dtype."""
     logits, bias, temperature, seed, offset = inputs(batch, dtype)
     bias = bias.to(dtype) if with_bias else None
-    got = kernel_steps(logits, bias, temperature, seed, offset, *tiles)
-    assert_steps_equal(got, torch_steps(logits, bias, temperature, seed, offset, tiles[0]))
+    block_v, block_b, group_size = tiles
+    got = kernel_steps(logits, bias, temperature, *tiles)
+    assert_steps_equal(got, torch_steps(logits, bias, temperature, block_v, group_size))
     if batch > 2:  # the padding row: the bias alone
         want = torch.zeros(V) if bias is None else bias[2].float()
         assert torch.equal(got[0][2], want.expand(K, V))
     if batch > 1:
         tokens, stat_max, stat_sum = pick_buffers(batch)
-        gumbel_pick_torch(*got[1][0], None, 0, tokens, stat_max, stat_sum)
+        gumbel_pick_torch(*got[1][0], got[0], temperature, seed, offset, None, 0, block_v, group_size, tokens,
+                          stat_max, stat_sum)
         assert tokens[1, 0] == 7  # the greedy row's tie: the smaller id
 
 
@@ -102,36 +99,41 @@ def pick_buffers(batch):
 
 
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, None])
-def test_pick_kernel_matches_torch(table_dtype):
-    g = torch.Generator().manual_seed(1)
-    batch, chunks = 4, 5
-    best = torch.randn(batch, chunks, generator=g)
-    best[0, 3] = best[0, 1] = best[0].max() + 1  # tie between tiles: the first tile wins
-    best[1] = float("-inf")
-    index = torch.randint(0, V, (batch, chunks), generator=g)
-    chunk_max = 5 * torch.randn(batch, chunks, generator=g)
-    chunk_max[2, [0, 4]] = float("-inf")  # tiles without mass
-    chunk_max[3] = float("-inf")
-    chunk_sum = torch.where(chunk_max == float("-inf"), 0.0, 1 + 9 * torch.rand(batch, chunks, generator=g))
-    table = None if table_dtype is None else torch.randn(V, R, generator=g).to(table_dtype)
-    got, want = pick_buffers(batch), pick_buffers(batch)
-    rows = torch.empty(batch, 0) if table is None else torch.empty(batch, R, dtype=table_dtype)
-    launch_gumbel_pick(run_kernel, best, index, chunk_max, chunk_sum, table, 1, *got, rows)
-    want_rows = gumbel_pick_torch(best, index, chunk_max, chunk_sum, table, 1, *want)
-    assert torch.equal(got[0], want[0]) and got[0][0, 1] == index[0, 1]
+@pytest.mark.parametrize("tiles", [(16, 64), (64, 32), (512, 512)], ids=["4units-per-group", "tile-of-2-groups",
+                                                                         "1group"])
+def test_pick_kernel_matches_torch(tiles, table_dtype):
+    """Rows 0, 3: sampled; row 1: greedy with a tie between units (the first unit wins); row 2:
+    sampled with units without mass."""
+    block_v, group_size = tiles
+    logits, bias, temperature, seed, offset = inputs(4, torch.float32, seed=1)
+    temperature[1] = 0
+    logits[1, 1, [7, 290]] = 50.0
+    biased, steps = torch_steps(logits, bias, temperature, block_v, group_size)
+    unit_max, unit_sum, unit_index = steps[1]
+    if unit_max.shape[1] > 4:
+        unit_max[2, [0, 4]] = float("-inf")  # units without mass
+        unit_sum[2, [0, 4]] = 0.0
+    table = None if table_dtype is None else torch.randn(V, R).to(table_dtype)
+    got, want = pick_buffers(4), pick_buffers(4)
+    rows = torch.empty(4, 0) if table is None else torch.empty(4, R, dtype=table_dtype)
+    args = (unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, 1, block_v, group_size)
+    launch_gumbel_pick(run_kernel, *args, *got, rows)
+    want_rows = gumbel_pick_torch(*args, *want)
+    assert torch.equal(got[0], want[0]) and got[0][1, 1] == 7
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=0)
     assert (got[0][:, 0] == -1).all() and (got[1][:, 0] == -1).all()  # other positions untouched
-    assert got[2][3, 1] == 0 and torch.equal(rows, want_rows)
+    assert torch.equal(rows, want_rows)
 
 
 @pytest.mark.parametrize("block_v", [512, 64], ids=["1tile", "5tiles"])
 def test_proposal_kernel_matches_torch(block_v):
     logits, bias, temperature, seed, offset = inputs(4, torch.bfloat16)
-    biased, winners = torch_steps(logits, bias, temperature, seed, offset, block_v)
+    biased, steps = torch_steps(logits, bias, temperature, block_v, 64)
     tokens, stat_max, stat_sum = pick_buffers(4)
-    for k, w in enumerate(winners):
-        gumbel_pick_torch(*w, None, k, tokens, stat_max, stat_sum)
+    for k, units in enumerate(steps):
+        gumbel_pick_torch(*units, biased, temperature, seed, offset, None, k, block_v, 64, tokens, stat_max,
+                          stat_sum)
     slots = torch.tensor([4, 0, 2, 1])
     probs = [torch.full((6, K, V), -1.0) for _ in range(2)]
     launch_write_proposals(run_kernel, biased, stat_max, stat_sum, temperature, tokens, slots,
