@@ -225,7 +225,7 @@ def test_ops_compile_with_inductor():
 # ---------------------------------------------------------------- the CUDA kernels
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1), (4096, 4), (256, 2)])
+@pytest.mark.parametrize("tiles", [(1024, 1), (2048, 1), (4096, 4), (256, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
     """B = 37 crosses row tiles of 2 and 4; the bias (in the logits' dtype) is added in float32
