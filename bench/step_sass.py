@@ -24,20 +24,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dspark.ops.gumbel_max import STEP_TILES, _step_kernel, step_tiles, step_warps
+from dspark.ops.gumbel_max import GROUP_SIZE, STEP_TILES, _step_kernel, step_tiles, step_warps, unit_size
 from drafting import tile_pair
 from timing import emit_table
 
-TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "temperature_ptr": "*fp32", "seed_ptr": "*i64",
-         "offset_ptr": "*i64", "biased_ptr": "*fp32", "best_ptr": "*fp32", "index_ptr": "*i64",
-         "chunk_max_ptr": "*fp32", "chunk_sum_ptr": "*fp32"}
+TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "temperature_ptr": "*fp32", "biased_ptr": "*fp32",
+         "unit_max_ptr": "*fp32", "unit_sum_ptr": "*fp32", "unit_index_ptr": "*i64"}
 ALIGNED = ("vocab_size", "logits_row_stride", "logits_pos_stride")  # multiples of 16 at V = 200064
 
 
 def sass(block_v: int, block_b: int) -> tuple[str, dict]:
     """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
     names = _step_kernel.arg_names
-    constexprs = {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK_V": block_v}
+    constexprs = {"HAS_BIAS": True, "BLOCK_B": block_b, "BLOCK_V": block_v,
+                  "UNIT": unit_size(block_v, GROUP_SIZE)}
     signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ALIGNED}
     kernel = triton.compile(ASTSource(_step_kernel, signature, constexprs=constexprs, attrs=attrs),

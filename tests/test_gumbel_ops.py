@@ -261,6 +261,34 @@ def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (2048, 1, 1024)], ids=["1024", "2048"])
+def test_cuda_draws_follow_softmax_at_the_default_models_vocabulary(tiles):
+    """The shapes of the H200 evaluations and of the engine at 80 requests: V = 49,152 (SmolLM2's),
+    80 rows per launch (one law in every row, a seed each), 250 launches: 20,000 draws of position 0
+    against softmax((logits + bias) / T), 30 likely tokens and the rest merged into one bin; the
+    negative control is the same draws against T x 1.1."""
+    vocab, batch, launches = 49_152, 80, 250
+    g = torch.Generator().manual_seed(4)
+    logits = torch.full((1, K, vocab), -6.0)
+    logits[0, 0, :30] = 3 + torch.randn(30, generator=g)
+    logits = logits.bfloat16()
+    bias = torch.randint(-4, 5, (1, vocab), generator=g) / 8  # exact in bfloat16
+    temperature = torch.full((batch,), 0.8, device="cuda")
+    offsets, slots = torch.full((batch,), 777, device="cuda"), torch.arange(batch, device="cuda")
+    probs = torch.zeros(batch, K, vocab, device="cuda")
+    rows = logits.expand(batch, -1, -1).contiguous().cuda()
+    row_bias = bias.expand(batch, -1).bfloat16().contiguous().cuda()
+    counts = np.zeros(vocab)
+    for i in range(launches):
+        seeds = torch.arange(i * batch, (i + 1) * batch, device="cuda")
+        tokens = block(rows, row_bias, temperature, seeds, offsets, None, slots, probs, *tiles)[0]
+        counts += np.bincount(tokens[:, 0].cpu().numpy(), minlength=vocab)
+    biased = logits[:, 0].float() + bias
+    assert_matches(counts, softmax64(biased, temperature[:1].cpu())[0].numpy())
+    assert_differs(counts, softmax64(biased, 1.1 * temperature[:1].cpu())[0].numpy())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [(1024, 1, 1024), (256, 2, 1024)], ids=["1row", "2rows"])
 def test_block_replays_in_a_cuda_graph(tiles):
     """A CUDA graph replay draws what the eager call draws; a new offset draws anew."""
