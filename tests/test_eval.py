@@ -8,6 +8,7 @@ from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import DOMAINS, Prompt
 from dspark.decoder import SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
+from dspark import eval as evaluation
 from dspark.eval import drafter_labels, evaluate, markdown_table
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
@@ -90,3 +91,18 @@ def test_drafters_of_the_same_folder_name_keep_a_row_each():
     assert drafter_labels(paths) == ["run/drafter", "assets/drafter", "drafter-rank0"]
     with pytest.raises(ValueError, match="given twice"):
         drafter_labels([Path("run/drafter"), Path("run/drafter")])
+
+
+def test_dtype_option_reaches_the_model_loader(monkeypatch):
+    """--dtype picks the weights' dtype; without it the CPU evaluates in float32."""
+    seen = {}
+
+    def loader(dtype, device):
+        seen.update(dtype=dtype, device=device)
+        raise SystemExit  # stop before any decoding
+
+    monkeypatch.setattr(evaluation, "load_default", loader)
+    for argv, want in ((["--device", "cpu"], torch.float32), (["--device", "cpu", "--dtype", "bfloat16"], torch.bfloat16)):
+        with pytest.raises(SystemExit):
+            evaluation.main(argv)
+        assert seen == {"dtype": want, "device": "cpu"}
