@@ -27,6 +27,7 @@ from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
 from dspark.serving import add_model_args, build_decoder
 from timing import emit_table
 
+
 def child(argv: list[str], cache_dir: str) -> str:
     """Runs `python argv` with an empty Inductor cache directory; returns its output."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.generate import DTYPES
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default, load_default_target
 from dspark.sampling import SamplingParams
@@ -127,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=80, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     return p.parse_args(argv)
@@ -135,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.drafter:
         target, tokenizer = load_default_target(dtype=dtype, device=args.device)
         drafters = {label: load_drafter(path, target)

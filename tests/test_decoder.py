@@ -124,6 +124,20 @@ def test_lossless_joint_law_of_first_three_tokens(method, temperature, top_p, k)
     assert_matches(counts.reshape(law.shape).sum((1, 2)), law.sum((1, 2)), "first token")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,temperature,top_p,k", LOSSLESS_CASES[:4])
+def test_cuda_decoder_is_lossless(method, temperature, top_p, k):
+    """The same test with the decoder on CUDA: its Triton kernels get their inputs as the decoder
+    passes them (the drafts as a view of the step's token block). The law is the CPU model's."""
+    target, drafter = tiny_pair()
+    prompt = [3, 7, 1]
+    law = target_joint_law(target, prompt, temperature, top_p)
+    target.cuda(), drafter.cuda()
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, rejection_sample_method=method)
+    assert_matches(sample_first_three(decoder, prompt, params, N_DRAWS), law, f"cuda {method} T={temperature}")
+
+
 class MisstatedProposals(SpeculativeDecoder):
     """Negative control: drafts are drawn from the drafter's q, but verification is told they
     came from the uniform distribution."""

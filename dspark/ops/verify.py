@@ -166,8 +166,8 @@ def _stats_kernel(logits_ptr, temperature_ptr, chunk_max_ptr, chunk_sum_ptr, chu
 
 
 @triton.jit
-def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, seed_ptr,
-                   offset_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_arg_ptr, lse_ptr, argmax_ptr, rho_ptr,
+def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_stride, draft_probs_ptr, slots_ptr,
+                   temperature_ptr, seed_ptr, offset_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_arg_ptr, lse_ptr, argmax_ptr, rho_ptr,
                    num_accepted_ptr, V, NUM_CHUNKS, K: tl.constexpr, ROWS_POW2: tl.constexpr,
                    CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Per request, all K+1 positions at once: each row's lse and (for greedy rows) argmax from the
@@ -191,7 +191,7 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_probs_ptr, slots_ptr, tem
     tl.store(lse_ptr + row, lse, mask=is_row)
     tl.store(argmax_ptr + row, argmax, mask=is_row)
 
-    d = tl.load(draft_tokens_ptr + b * K + i, mask=is_draft, other=0)
+    d = tl.load(draft_tokens_ptr + b * draft_row_stride + i * draft_col_stride, mask=is_draft, other=0)
     p = tl.exp(_load_scaled(logits_ptr + row.to(tl.int64) * V + d, is_draft, temperature) - lse)
     q = tl.load(draft_probs_ptr + (slot * K + i) * V + d, mask=is_draft, other=0.0)
     if BLOCK:
@@ -296,8 +296,8 @@ def _pick_chunk(best_ptr, b, NUM_CHUNKS, CHUNKS_POW2: tl.constexpr):
 
 
 @triton.jit
-def _emit_kernel(draft_tokens_ptr, temperature_ptr, argmax_ptr, num_accepted_ptr, best_w_ptr, arg_w_ptr,
-                 best_p_ptr, arg_p_ptr, emitted_ptr, NUM_CHUNKS, K: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+def _emit_kernel(draft_tokens_ptr, draft_row_stride, draft_col_stride, temperature_ptr, argmax_ptr, num_accepted_ptr,
+                 best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, emitted_ptr, NUM_CHUNKS, K: tl.constexpr, CHUNKS_POW2: tl.constexpr,
                  EMIT_POW2: tl.constexpr):
     """Per request: reduce the chunk candidates to the token and write [drafts[:n], token, -1 ...]."""
     b = tl.program_id(0)
@@ -312,7 +312,7 @@ def _emit_kernel(draft_tokens_ptr, temperature_ptr, argmax_ptr, num_accepted_ptr
         else:
             token = tl.load(arg_p_ptr + b * NUM_CHUNKS + chunk_p)
     j = tl.arange(0, EMIT_POW2)
-    drafts = tl.load(draft_tokens_ptr + b * K + j, mask=j < n, other=-1)
+    drafts = tl.load(draft_tokens_ptr + b * draft_row_stride + j * draft_col_stride, mask=j < n, other=-1)
     emitted = tl.where(j == n, token.to(tl.int64), drafts)
     tl.store(emitted_ptr + b * (K + 1) + j, emitted, mask=j < K + 1)
 
@@ -337,7 +337,7 @@ def launch_verify(wrap, target_logits, draft_tokens, draft_probs, slots, tempera
     arg_w, arg_p = torch.empty(B, num_draws, **i32), torch.empty(B, num_draws, **i32)
     num_accepted = torch.empty(B, device=target_logits.device, dtype=torch.int64)
     emitted = torch.empty(B, K1, device=target_logits.device, dtype=torch.int64)
-    request = (draft_tokens, draft_probs, slots, temperature, seed, offset)
+    request = (draft_tokens, *draft_tokens.stride(), draft_probs, slots, temperature, seed, offset)
 
     wrap(_stats_kernel)[(B * K1, num_chunks)](
         target_logits, temperature, chunk_max, chunk_sum, chunk_arg, V, ROWS=K1, CHUNK=chunk, num_warps=4)
@@ -357,8 +357,8 @@ def launch_verify(wrap, target_logits, draft_tokens, draft_probs, slots, tempera
         target_logits, draft_probs, slots, temperature, seed, offset, lse, rho, num_accepted,
         best_w, arg_w, best_p, arg_p, V, K=K, CHUNK=resample_chunk, BLOCK=block, num_warps=4)
     wrap(_emit_kernel)[(B,)](
-        draft_tokens, temperature, argmax, num_accepted, best_w, arg_w, best_p, arg_p, emitted, num_draws,
-        K=K, CHUNKS_POW2=draws_pow2, EMIT_POW2=triton.next_power_of_2(K1), num_warps=1)
+        draft_tokens, *draft_tokens.stride(), temperature, argmax, num_accepted, best_w, arg_w, best_p, arg_p, emitted,
+        num_draws, K=K, CHUNKS_POW2=draws_pow2, EMIT_POW2=triton.next_power_of_2(K1), num_warps=1)
     return emitted, num_accepted
 
 
@@ -385,7 +385,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
            block: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify one draft block per request (see the module docstring).
 
-    target_logits [B, K+1, V] float32/bfloat16, filtered but not divided by T; draft_tokens [B, K] int64;
+    target_logits [B, K+1, V] float32/bfloat16, filtered but not divided by T; draft_tokens [B, K] int64
+    (any strides: the decoder passes its token block's tokens[:, 1:]);
     draft_probs [S, K, V] float32, the proposals of request b at slot slots[b]; slots, seed, offset [B]
     int64; temperature [B] float32, 0 = greedy; block selects block verification.
     Returns emitted [B, K+1] int64 (padded with -1) and num_accepted [B] int64.

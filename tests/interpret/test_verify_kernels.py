@@ -67,3 +67,17 @@ def test_greedy_ties_and_nan_rows(block):
     token = emitted.gather(1, n[:, None])
     assert ((0 <= token) & (token < 50)).all()
     check(args, block, chunk=16)
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_drafts_may_be_a_view_of_the_token_block(block):
+    """The decoder passes its [B, K+1] block of (anchor, drafts) as tokens[:, 1:], rows K+1 apart:
+    the kernels read the drafts through their strides, as the torch implementation does (until
+    this test, they read rows K apart: on CUDA, every T > 0 step verified and emitted the wrong
+    tokens). A transposed buffer checks the column stride."""
+    args = inputs(5, 3, 90, 11, torch.float32, [1.0, 0.7, 0.0, 1.3, 1.0])
+    drafts = args[1]
+    args[1] = torch.cat([torch.randint(0, 90, (5, 1)), drafts], dim=1)[:, 1:]
+    check(args, block, chunk=32)
+    args[1] = drafts.T.contiguous().T
+    check(args, block, chunk=32)
