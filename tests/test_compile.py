@@ -179,4 +179,4 @@ def test_cuda_graphs_serve_what_plain_steps_serve(compile):
         drain(engine, requests)
         results.append([r.result.tokens for r in requests])
     assert results[0] == results[1]
-    assert {key[0] for key in engine.runner.graphs} == {1, 4}  # row 0 alone at the end: bucket 1
+    assert {1, 4} <= {key[0] for key in engine.runner.graphs}  # 4 requests; row 0 alone at the end: bucket 1
