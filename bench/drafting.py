@@ -5,16 +5,19 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 (CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- dspark: ancestral_draft (bias GEMM, Gumbel-max step, pick per position; one proposal launch) at
-  its default tiles (gumbel_max.step_tiles); with --tiles, one more column per step tiling;
-- bias GEMMs: the K Markov GEMMs alone, the part of dspark's time cuBLAS spends;
+- dspark: ancestral_draft (per position the step, which computes the Markov bias from the head's
+  rank-r factor and streams W2 itself, and the pick; one proposal launch) at its default tiles
+  (gumbel_max.step_tiles); with --tiles, one more column per step tiling;
+- dspark, bias GEMM: ancestral_draft(fuse_bias=False), the seed's design: per position a cuBLAS
+  GEMM writes the bias [B, V], then the step adds it;
+- bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
   matrix W2 read once per position, the base logits read once, the float32 biased logits written
   and read back once, the float32 proposals written once.
 
     python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
-    python bench/drafting.py --tiles 4096x1 2048x2             # also these step tilings
+    python bench/drafting.py --tiles 64x16 256x32        # also these step tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
     python bench/drafting.py --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks
 """
@@ -92,6 +95,7 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
                                                            draft_probs), device),
                 "dspark": dspark(),
                 **{f"dspark {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
+                "dspark, bias GEMM": dspark(fuse_bias=False),
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }

@@ -2,10 +2,10 @@
 where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
 the position's proposal for verification.
 
-Per position: the Markov bias (a cuBLAS GEMM through the head), the step op (the biased logits and
-their softmax statistics; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, the
-merged statistics, the Markov embedding of the token for the next position). After the block, the proposal op writes all K
-proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
+Per position: the head's rank-r factor of the Markov bias, the step op (the bias product with the
+head's W2, the biased logits and their softmax statistics; gumbel_max.py), the pick op (the
+two-level Gumbel-max race: the token, the merged statistics, the Markov embedding of the token for
+the next position). After the block, the proposal op writes all K proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
 and is captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -14,13 +14,14 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, step_tiles
+from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, low_rank_bias, step_tiles
 from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
-                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None) -> Tensor:
+                    slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None,
+                    fuse_bias: bool = True) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
     logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
@@ -30,24 +31,28 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
     tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program (default:
-    gumbel_max.step_tiles(B)).
+    gumbel_max.step_tiles). fuse_bias=False computes each bias [B, V] by a GEMM through the head
+    before the step (the seed's design, which bench/drafting.py compares) instead of in the step.
     """
     batch, positions, vocab = logits.shape
-    tiles = tiles or step_tiles(batch)
+    fuse_bias = fuse_bias and head is not None
+    tiles = tiles or step_tiles(batch, low_rank=fuse_bias)
     biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
     stat_max = logits.new_empty((batch, positions), dtype=torch.float32)
     stat_sum = torch.empty_like(stat_max)
 
-    table = prev = state = bias = None
+    table = prev = state = bias = w2 = None
     if head is not None:
         table = head.markov_w1.weight
         prev = head.markov_w1(anchor)
         state = head.initial_state(batch)
+        w2 = head.markov_w2.weight if fuse_bias else None
     for k in range(positions):
         if head is not None:
-            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
-        units = gumbel_step(logits, bias, temperature, k, biased, *tiles)
+            h = None if hidden is None else hidden[:, k]
+            bias, state = head.low_rank(prev, h, state) if fuse_bias else head.bias(prev, h, state)
+        units = gumbel_step(logits, bias, w2, temperature, k, biased, *tiles)
         prev = gumbel_pick(*units, biased, temperature, seed, offset, table, k, tokens, stat_max, stat_sum,
                            tiles[0])
     write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, draft_probs)
@@ -56,7 +61,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
 
 def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
     """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
-    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows; a batch of
+    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows (up to the order of
+    the bias product's float32 sums, on CUDA); a batch of
     greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
 
     logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.
@@ -70,8 +76,8 @@ def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | No
         biased = logits[:, k].float()
         biased = biased.masked_fill(biased.isnan(), 0.0)
         if head is not None:
-            bias, state = head.bias(prev, None if hidden is None else hidden[:, k], state)
-            biased = biased + bias.float()
+            v, state = head.low_rank(prev, None if hidden is None else hidden[:, k], state)
+            biased = biased + low_rank_bias(v, head.markov_w2.weight)  # as the step adds it
         token = biased.argmax(dim=-1)
         if head is not None:
             prev = head.markov_w1(token)

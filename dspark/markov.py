@@ -9,9 +9,10 @@ Parameter names are DeepSpec's (`markov_head.markov_w1.weight` [V, r], `markov_w
            s_k = sigmoid(gate) s_{k-1} + (1 - sigmoid(gate)) tanh(cand),  bias_k = W2 tanh(out),
            with s_0 = 0
 
-h_k is the drafter's final hidden state at block position k and x_{-1} the anchor. Drafting steps a
-head one position at a time through `bias`, with W1[x_{k-1}] already gathered (the pick op does it
-for the token it draws); training runs `forward` over whole teacher-forced blocks.
+h_k is the drafter's final hidden state at block position k and x_{-1} the anchor. Every bias is
+W2 times a rank-r vector, `low_rank`'s: drafting steps a head one position at a time through it, with
+W1[x_{k-1}] already gathered (the pick op does it for the token it draws), and the step op streams
+W2 itself; training runs `forward` over whole teacher-forced blocks.
 """
 from __future__ import annotations
 
@@ -31,11 +32,17 @@ class VanillaMarkov(nn.Module):
     def initial_state(self, batch_size: int) -> Tensor | None:
         return None
 
+    def low_rank(self, prev_embedding: Tensor, hidden: Tensor | None,
+                 state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """prev_embedding [..., r] = markov_w1[previous token], hidden [..., d] ->
+        (v [..., r] in the weights' dtype, next state): the bias is markov_w2(v)."""
+        return prev_embedding, state
+
     def bias(self, prev_embedding: Tensor, hidden: Tensor | None,
              state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """prev_embedding [..., r] = markov_w1[previous token], hidden [..., d] ->
-        (bias [..., V] in the weights' dtype, next state)."""
-        return self.markov_w2(prev_embedding), state
+        """(bias [..., V] in the weights' dtype, next state); arguments as low_rank's."""
+        v, state = self.low_rank(prev_embedding, hidden, state)
+        return self.markov_w2(v), state
 
     def forward(self, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
         """Teacher-forced bias of whole blocks: prev_tokens [N, K], hidden [N, K, d] -> [N, K, V].
@@ -48,9 +55,9 @@ class GatedMarkov(VanillaMarkov):
         super().__init__(vocab_size, rank)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def bias(self, prev_embedding, hidden, state):
+    def low_rank(self, prev_embedding, hidden, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_embedding], dim=-1)))
-        return self.markov_w2(gate * prev_embedding), state
+        return gate * prev_embedding, state
 
 
 class RNNMarkov(VanillaMarkov):
@@ -61,12 +68,12 @@ class RNNMarkov(VanillaMarkov):
     def initial_state(self, batch_size: int) -> Tensor:
         return self.markov_w1.weight.new_zeros(batch_size, self.rank)
 
-    def bias(self, prev_embedding, hidden, state):
+    def low_rank(self, prev_embedding, hidden, state):
         gate, candidate, out = self.joint_proj(
             torch.cat([state, prev_embedding, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(out)), state
+        return torch.tanh(out), state
 
     def forward(self, prev_tokens, hidden):
         """Unrolls the state over each block, as drafting does."""

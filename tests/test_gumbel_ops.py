@@ -1,6 +1,7 @@
 """The drafting ops (dspark::gumbel_step, gumbel_pick, write_proposals) through torch on CPU:
 custom-op registration, what they compute, determinism of the noise, and that the draw follows
-softmax((logits + bias) / T) for a precomputed Markov bias. The Triton kernels are checked against the
+softmax((logits + bias) / T) for a precomputed Markov bias (or one the step computes from its
+low-rank factors). The Triton kernels are checked against the
 same CPU implementation in tests/interpret/test_gumbel_kernels.py; the `gpu` tests run them on CUDA."""
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from dspark.ops.gumbel_max import gumbel_pick, gumbel_step
 from dspark.ops.proposal import write_proposals
 from stats import assert_differs, assert_matches
 
-K, V, R = 2, 40, 8
+K, V, R = 2, 40, 16
 G = 8  # the draw's group size in these tests: 5 groups over V = 40, so the group race counts
 
 
@@ -28,6 +29,23 @@ def make_inputs(batch, dtype=torch.float32, vocab=V, seed=0):
     return logits, u @ w2.T, temperature, seeds, offsets
 
 
+def make_factors(batch, dtype=torch.float32, vocab=V, seed=0):
+    """A low-rank bias's factor v [B, R] and W2 [V, R] in `dtype`: multiples of 1/4 and 1/8, so that
+    v W2^T is exact in float32 (and bfloat16) whatever the order of its sums."""
+    g = torch.Generator().manual_seed(seed + 100)
+    v = torch.randint(-4, 5, (batch, R), generator=g) / 4
+    return v.to(dtype), (torch.randint(-4, 5, (vocab, R), generator=g) / 8).to(dtype)
+
+
+def step_args(bias):
+    """The step op's (bias, w2) for a dense bias [B, V], None, or a low-rank pair (v, W2)."""
+    return bias if isinstance(bias, tuple) else (bias, None)
+
+
+def cuda(x):
+    return tuple(map(cuda, x)) if isinstance(x, tuple) else x.cuda()
+
+
 def biased_buffer(batch, vocab=V, device="cpu"):
     return torch.full((batch, K, vocab), -7.0, device=device)
 
@@ -39,9 +57,9 @@ def pick_buffers(batch, device="cpu"):
 
 
 def position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, table=None,
-             block_v=64, block_b=1, group_size=G):
-    """The step and the pick of position k -> the pick's gathered rows."""
-    units = gumbel_step(logits, bias, temperature, k, biased, block_v, block_b, group_size)
+             block_v=64, block_b=16, group_size=G):
+    """The step and the pick of position k -> the pick's gathered rows. bias: see step_args."""
+    units = gumbel_step(logits, *step_args(bias), temperature, k, biased, block_v, block_b, group_size)
     return gumbel_pick(*units, biased, temperature, seeds, offsets, table, k, tokens, stat_max, stat_sum,
                        block_v, group_size)
 
@@ -66,10 +84,10 @@ def test_opcheck(dtype):
     logits, bias, temperature, seeds, offsets = make_inputs(3, dtype)
     temperature[1] = 0
     logits[2] = float("nan")
-    for b in (bias.to(dtype), None):
-        torch.library.opcheck(gumbel_step, (logits, b, temperature, 1, biased_buffer(3), 16, 1, G))
+    for b in (bias.to(dtype), None, make_factors(3, dtype)):
+        torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, biased_buffer(3), 16, 16, G))
     biased = biased_buffer(3)
-    units = gumbel_step(logits, bias, temperature, 1, biased, 16, 1, G)
+    units = gumbel_step(logits, bias, None, temperature, 1, biased, 16, 1, G)
     for table in (torch.randn(V, 4), torch.randn(V, 4, dtype=torch.bfloat16), None):
         torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets, table, 1,
                                             *pick_buffers(3), 16, G))
@@ -83,18 +101,25 @@ def test_opcheck(dtype):
 def test_bad_inputs_are_named():
     logits, bias, temperature, seeds, offsets = make_inputs(3)
     with pytest.raises(ValueError, match="biased"):
-        gumbel_step(logits, bias, temperature, 0, biased_buffer(2), 64, 1, G)
+        gumbel_step(logits, bias, None, temperature, 0, biased_buffer(2), 64, 1, G)
     with pytest.raises(ValueError, match="k=2"):
-        gumbel_step(logits, bias, temperature, 2, biased_buffer(3), 64, 1, G)
+        gumbel_step(logits, bias, None, temperature, 2, biased_buffer(3), 64, 1, G)
     with pytest.raises(ValueError, match="temperature"):
-        gumbel_step(logits, bias, temperature.double(), 0, biased_buffer(3), 64, 1, G)
+        gumbel_step(logits, bias, None, temperature.double(), 0, biased_buffer(3), 64, 1, G)
     for tiles in ((24, 1, G), (64, 3, G), (64, 1, 6)):
         with pytest.raises(ValueError, match="powers of two"):
-            gumbel_step(logits, bias, temperature, 0, biased_buffer(3), *tiles)
+            gumbel_step(logits, bias, None, temperature, 0, biased_buffer(3), *tiles)
     with pytest.raises(ValueError, match="bias"):
-        gumbel_step(logits, bias[:, :-1], temperature, 0, biased_buffer(3), 64, 1, G)
+        gumbel_step(logits, bias[:, :-1], None, temperature, 0, biased_buffer(3), 64, 1, G)
+    v, w2 = make_factors(3)
+    for bad_v, bad_w2, match in ((v, w2[:-1], "w2"), (v.double(), w2, "factor"), (v[:2], w2, "factor"),
+                                 (None, w2, "factor")):
+        with pytest.raises(ValueError, match=match):
+            gumbel_step(logits, bad_v, bad_w2, temperature, 0, biased_buffer(3), 64, 16, G)
+    with pytest.raises(ValueError, match="block_b >= 16"):
+        gumbel_step(logits, v, w2, temperature, 0, biased_buffer(3), 64, 8, G)
     biased = biased_buffer(3)
-    m, s, index = gumbel_step(logits, bias, temperature, 0, biased, 16, 1, G)
+    m, s, index = gumbel_step(logits, bias, None, temperature, 0, biased, 16, 1, G)
     with pytest.raises(ValueError, match="int64"):
         gumbel_pick(m, s, index.int(), biased, temperature, seeds, offsets, None, 0, *pick_buffers(3), 16, G)
     with pytest.raises(ValueError, match="k=2"):
@@ -120,6 +145,19 @@ def test_step_writes_biased_logits_and_statistics(dtype):
     merged = stat_max[:, 1] + torch.log(stat_sum[:, 1])
     want = torch.logsumexp(biased[:, 1].double() / temperature.double()[:, None], -1)
     torch.testing.assert_close(merged.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_rank_bias_is_its_dense_product(dtype):
+    """Given the factors (v, W2), the step writes and draws what it does given v W2^T in float32 (the
+    kernels: tests/interpret and the gpu tests)."""
+    logits, _, temperature, seeds, offsets = make_inputs(4, dtype)
+    logits[3] = float("nan")
+    v, w2 = make_factors(4, dtype)
+    low_rank = draw(logits, (v, w2), temperature, seeds, offsets, k=1, block_v=16)
+    dense = draw(logits, v.float() @ w2.float().T, temperature, seeds, offsets, k=1, block_v=16)
+    for got, want in zip(low_rank, dense):
+        assert torch.equal(got, want)
 
 
 def test_draw_depends_only_on_seed_offset_position_and_token():
@@ -238,22 +276,27 @@ def test_ops_compile_with_inductor():
 
 # ---------------------------------------------------------------- the CUDA kernels
 
+DENSE_TILES = [(1024, 1, 1024), (2048, 1, 1024), (4096, 4, 1024), (256, 2, 1024), (2048, 1, 512)]
+LOW_RANK_TILES = [(128, 16, 1024), (128, 64, 1024), (256, 32, 1024), (64, 128, 512)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (2048, 1, 1024), (4096, 4, 1024), (256, 2, 1024), (2048, 1, 512)])
+@pytest.mark.parametrize("bias_kind, tiles", [("dense", t) for t in DENSE_TILES] + [("low-rank", t) for t in LOW_RANK_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
-    """B = 37 crosses row tiles of 2 and 4; the bias (in the logits' dtype) is added in float32
-    on both sides, so the biased logits and tile maxima agree bit for bit and the tokens exactly."""
+def test_cuda_kernels_match_the_cpu_implementation(dtype, bias_kind, tiles):
+    """B = 37 crosses row tiles of 2, 4, 16 and 32; the bias (in the logits' dtype) is added in float32
+    on both sides, and the low-rank factors (in the logits' dtype) give a product exact in float32, so
+    the biased logits and tile maxima agree bit for bit and the tokens exactly."""
     vocab, batch = 50_000, 37
     logits, bias, temperature, seeds, offsets = make_inputs(batch, dtype, vocab=vocab)
+    bias = bias.to(dtype) if bias_kind == "dense" else make_factors(batch, dtype, vocab)
     temperature[1] = 0
     logits[2] = float("nan")
-    inputs = (logits, bias.to(dtype), temperature, seeds, offsets,
-              torch.randn(vocab, 16).to(dtype), torch.randperm(batch))
+    inputs = (logits, bias, temperature, seeds, offsets, torch.randn(vocab, 16).to(dtype), torch.randperm(batch))
     probs = [torch.full((batch + 1, K, vocab), -1.0) for _ in range(2)]
     cpu = block(*inputs, probs[0], *tiles)
     gpu_probs = probs[1].cuda()
-    gpu = [t.cpu() for t in block(*(t.cuda() for t in inputs), gpu_probs, *tiles)]
+    gpu = [t.cpu() for t in block(*map(cuda, inputs), gpu_probs, *tiles)]
     for name, want, got in zip(("tokens", "rows", "biased", "stat_max"), cpu, gpu):
         assert torch.equal(got, want), name
     torch.testing.assert_close(gpu[4], cpu[4], rtol=1e-5, atol=0)
@@ -261,12 +304,14 @@ def test_cuda_kernels_match_the_cpu_implementation(dtype, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (2048, 1, 1024)], ids=["1024", "2048"])
+@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (2048, 1, 1024), (128, 128, 1024)],
+                         ids=["1024", "2048", "low-rank-128x128"])
 def test_cuda_draws_follow_softmax_at_the_default_models_vocabulary(tiles):
     """The shapes of the H200 evaluations and of the engine at 80 requests: V = 49,152 (SmolLM2's),
     80 rows per launch (one law in every row, a seed each), 250 launches: 20,000 draws of position 0
     against softmax((logits + bias) / T), 30 likely tokens and the rest merged into one bin; the
-    negative control is the same draws against T x 1.1."""
+    negative control is the same draws against T x 1.1. With 128-row tiles the bias is given as the
+    rank-16 product e_0 W2^T (W2's first column the bias), which the step computes."""
     vocab, batch, launches = 49_152, 80, 250
     g = torch.Generator().manual_seed(4)
     logits = torch.full((1, K, vocab), -6.0)
@@ -278,6 +323,12 @@ def test_cuda_draws_follow_softmax_at_the_default_models_vocabulary(tiles):
     probs = torch.zeros(batch, K, vocab, device="cuda")
     rows = logits.expand(batch, -1, -1).contiguous().cuda()
     row_bias = bias.expand(batch, -1).bfloat16().contiguous().cuda()
+    if tiles[1] >= 16:
+        v = torch.zeros(batch, R, dtype=torch.bfloat16, device="cuda")
+        v[:, 0] = 1
+        w2 = torch.zeros(vocab, R, dtype=torch.bfloat16)
+        w2[:, 0] = bias[0]
+        row_bias = (v, w2.cuda())
     counts = np.zeros(vocab)
     for i in range(launches):
         seeds = torch.arange(i * batch, (i + 1) * batch, device="cuda")
@@ -289,14 +340,16 @@ def test_cuda_draws_follow_softmax_at_the_default_models_vocabulary(tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (256, 2, 1024)], ids=["1row", "2rows"])
+@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (256, 2, 1024), (128, 16, 1024)],
+                         ids=["1row", "2rows", "low-rank-16rows"])
 def test_block_replays_in_a_cuda_graph(tiles):
     """A CUDA graph replay draws what the eager call draws; a new offset draws anew."""
     logits, bias, temperature, seeds, offsets = (
         t.cuda() for t in make_inputs(6, torch.bfloat16, vocab=5000))
+    bias = bias.bfloat16() if tiles[1] < 16 else cuda(make_factors(6, torch.bfloat16, 5000))
     table, slots = torch.randn(5000, 16, device="cuda"), torch.arange(6, device="cuda")
     probs = torch.zeros(6, K, 5000, device="cuda")
-    args = (logits, bias.bfloat16(), temperature, seeds, offsets, table, slots, probs, *tiles)
+    args = (logits, bias, temperature, seeds, offsets, table, slots, probs, *tiles)
     eager = [t.clone() for t in block(*args)]
     eager_probs = probs.clone()
     stream = torch.cuda.Stream()
@@ -319,9 +372,9 @@ def test_block_replays_in_a_cuda_graph(tiles):
 def test_opcheck_cuda():
     logits, bias, temperature, seeds, offsets = (t.cuda() for t in make_inputs(3, torch.bfloat16))
     biased = biased_buffer(3, device="cuda")
-    for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1)):
-        torch.library.opcheck(gumbel_step, (logits, b, temperature, 1, biased, 16, block_b, G))
-    units = gumbel_step(logits, bias, temperature, 0, biased, 16, 2, G)
+    for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1), (cuda(make_factors(3, torch.bfloat16)), 16)):
+        torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, biased, 16, block_b, G))
+    units = gumbel_step(logits, bias, None, temperature, 0, biased, 16, 2, G)
     tokens, stat_max, stat_sum = pick_buffers(3, "cuda")
     torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets,
                                         torch.randn(V, 4, device="cuda"), 0, tokens, stat_max, stat_sum, 16, G))

@@ -76,7 +76,7 @@ N, ANCHOR, TEMPERATURE = 20_000, 2, 0.8
 
 
 def draft(logits, head, hidden=None, temperature=None, seed=None, offset=None, anchor=None,
-          tiles=(16, 1)):
+          tiles=(16, 16)):
     """ancestral_draft with slot b for row b -> (tokens [B, K], draft_probs [B, K, V])."""
     batch, k, _ = logits.shape
     temperature = torch.full((batch,), TEMPERATURE) if temperature is None else temperature
@@ -112,8 +112,8 @@ class Sample:
         return np.bincount(self.d0 * V + self.d1, minlength=V * V).reshape(V, V)  # [d0, d1]
 
 
-@pytest.fixture(scope="module", params=[(torch.float32, (16, 1)), (torch.float32, (4, 1)),
-                                        (torch.bfloat16, STEP_TILES), (torch.bfloat16, (4, 1))],
+@pytest.fixture(scope="module", params=[(torch.float32, (16, 16)), (torch.float32, (4, 16)),
+                                        (torch.bfloat16, None), (torch.bfloat16, (4, 16))],
                 ids=["f32-1tile", "f32-3tiles", "bf16-default", "bf16-3tiles"])
 def sample(request):
     return Sample(*request.param)
@@ -198,7 +198,7 @@ def test_drafts_depend_on_seed_and_offset_only():
     seed, offset = torch.full((400,), 9), torch.full((400,), 5)
     first, _ = draft(logits, head, hidden, seed=seed, offset=offset)
     assert (first == first[0]).all()  # the same key draws the same block in every row
-    again, _ = draft(logits, head, hidden, seed=seed, offset=offset, tiles=(4, 1))
+    again, _ = draft(logits, head, hidden, seed=seed, offset=offset, tiles=(4, 16))
     assert torch.equal(again, first)
     moved, _ = draft(logits, head, hidden, seed=seed, offset=offset + torch.arange(400))
     assert len(set(map(tuple, moved.tolist()))) > 50  # each new offset draws anew
@@ -212,16 +212,17 @@ def test_ancestral_draft_compiles_to_the_eager_result():
     args = (hidden, head, torch.randint(0, V, (5,)), temperature, torch.arange(5) + 100,
             torch.arange(5), torch.tensor([4, 2, 0, 1, 3]))
     probs = [torch.zeros(5, 3, V), torch.zeros(5, 3, V)]
-    want = ancestral_draft(logits, *args, probs[0], (4, 1))
+    want = ancestral_draft(logits, *args, probs[0], (4, 16))
     compiled = torch.compile(ancestral_draft, fullgraph=True, backend="aot_eager")
-    got = compiled(logits, *args, probs[1], (4, 1))
+    got = compiled(logits, *args, probs[1], (4, 16))
     assert torch.equal(got, want)
     torch.testing.assert_close(probs[1], probs[0], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [STEP_TILES, (256, 2)], ids=["default", "2rows"])
-def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(tiles):
+@pytest.mark.parametrize("tiles, fuse_bias", [(None, True), ((64, 32), True), (STEP_TILES, False), ((256, 2), False)],
+                         ids=["default", "32rows", "bias-gemm", "bias-gemm-2rows"])
+def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(tiles, fuse_bias):
     vocab, batch = 5000, 6
     torch.manual_seed(0)
     head = RNNMarkov(vocab, 32, D)
@@ -233,8 +234,8 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(tiles):
     inputs = [copy.deepcopy(t).cuda() for t in cpu_inputs]
     offset, probs = inputs[6], inputs[8]
     with torch.inference_mode():
-        cpu = ancestral_draft(*cpu_inputs, tiles)
-        eager = ancestral_draft(*inputs, tiles)
+        cpu = ancestral_draft(*cpu_inputs, tiles, fuse_bias)
+        eager = ancestral_draft(*inputs, tiles, fuse_bias)
         assert torch.equal(eager.cpu(), cpu)
         torch.testing.assert_close(probs.cpu(), cpu_inputs[8], rtol=1e-5, atol=1e-9)
 
@@ -242,19 +243,19 @@ def test_cuda_graph_and_compiled_block_draw_what_eager_and_cpu_draw(tiles):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            ancestral_draft(*inputs, tiles)
+            ancestral_draft(*inputs, tiles, fuse_bias)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = ancestral_draft(*inputs, tiles)
+            captured = ancestral_draft(*inputs, tiles, fuse_bias)
         probs.zero_()
         graph.replay()
         assert torch.equal(captured, eager) and torch.equal(probs, eager_probs)
         offset.add_(1)
         graph.replay()
         assert (captured != eager).float().mean() > 0.5  # a new offset draws anew
-        assert torch.equal(captured, ancestral_draft(*inputs, tiles))
-        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs, tiles), captured)
+        assert torch.equal(captured, ancestral_draft(*inputs, tiles, fuse_bias))
+        assert torch.equal(torch.compile(ancestral_draft, fullgraph=True)(*inputs, tiles, fuse_bias), captured)
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn", None])

@@ -16,9 +16,12 @@ noise depends only on (seed, offset, position, token or group id): the draw does
 kernels' tiles, but for float32 rounding of near ties (group sums are summed in tile order).
 
 The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows) adds the Markov
-bias (a cuBLAS GEMM through the head before the step: the seed's design), writes the biased float32
-logits (read again by the pick and by the proposal op) and per unit of min(block_v, group_size)
-tokens the softmax statistics of x and the argmax of x. The pick op merges the units into groups
+bias, writes the biased float32 logits (read again by the pick and by the proposal op) and per unit
+of min(block_v, group_size) tokens the softmax statistics of x and the argmax of x. The bias comes
+either as it is, [B, V] (a cuBLAS GEMM through the head before the step: the seed's design), or as
+its rank-r factor v [B, r] with the head's W2 [V, r]: then the step computes v W2^T itself on tensor
+cores, a tile of W2 against all the rows of its row tile, so W2 is streamed once per position and
+the bias is never written out. The pick op merges the units into groups
 and into the row's statistics, runs the two races (re-reading the winning group's biased logits),
 writes the token and gathers the next Markov embedding.
 
@@ -41,13 +44,16 @@ from dspark.ops.philox import (STREAM_DRAFT, STREAM_DRAFT_GROUP, token_exponenti
 
 GROUP_SIZE = 1024  # tokens per group of the two-level race (part of the draw's definition)
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
+MIN_DOT = 16  # tensor-core tiles: the low-rank step's row tile and rank chunk are at least this
 
 
-def step_tiles(batch: int) -> tuple[int, int]:
-    """The step's tiles for a batch of `batch` rows: 2048-token tiles from 8 rows on, where the
-    fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
-    bench/drafting.py --tiles on the H200, docs/performance.md). Both tilings are checked on the
-    H200 by the `gpu` tests at SmolLM2's vocabulary and 80 rows."""
+def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
+    """The step's tiles for a batch of `batch` rows. A dense bias or none: 2048-token tiles from 8 rows
+    on, where the fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
+    bench/drafting.py --tiles on the H200, docs/performance.md). A low-rank bias: 128-token tiles
+    of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position."""
+    if low_rank:
+        return 128, min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
     return STEP_TILES if batch < 8 else (2048, 1)
 
 
@@ -64,23 +70,36 @@ def num_units(vocab_size: int, block_v: int, group_size: int) -> int:
 # ---------------------------------------------------------------- step
 
 @triton.jit
-def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, biased_ptr, unit_max_ptr, unit_sum_ptr,
+def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit_max_ptr, unit_sum_ptr,
                  unit_index_ptr, k, batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
-                 HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr):
-    """One program per (row tile, vocabulary tile)."""
+                 bias_row_stride, w2_row_stride, BIAS: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr):
+    """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 dense [B, V], 2 the factor [B, r]
+    times W2 [V, r] transposed (tl.dot, float32 accumulation)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
     tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     is_row = rows < batch
-    inside = is_row[:, None] & (tokens < vocab_size)[None, :]
+    is_token = tokens < vocab_size
+    inside = is_row[:, None] & is_token[None, :]
     row64 = rows.to(tl.int64)[:, None]
 
     base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
                    mask=inside, other=0.0).to(tl.float32)
     biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-    if HAS_BIAS:
-        biased += tl.load(bias_ptr + row64 * vocab_size + tokens[None, :], mask=inside,
+    if BIAS == 1:
+        biased += tl.load(bias_ptr + row64 * bias_row_stride + tokens[None, :], mask=inside,
                           other=0.0).to(tl.float32)
+    if BIAS == 2:
+        product = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+        for start in tl.static_range(0, RANK, BLOCK_R):
+            r = start + tl.arange(0, BLOCK_R)
+            v = tl.load(bias_ptr + row64 * bias_row_stride + r[None, :], mask=is_row[:, None] & (r < RANK)[None, :],
+                        other=0.0)
+            w2 = tl.load(w2_ptr + tokens.to(tl.int64)[None, :] * w2_row_stride + r[:, None],
+                         mask=(r < RANK)[:, None] & is_token[None, :], other=0.0)  # [BLOCK_R, BLOCK_V]
+            product = tl.dot(v, w2, product, input_precision="ieee")
+        biased += product
     tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
              mask=inside)
 
@@ -100,16 +119,19 @@ def _step_kernel(logits_ptr, bias_ptr, temperature_ptr, biased_ptr, unit_max_ptr
     tl.store(unit_index_ptr + out, units[None, :] * UNIT + index, mask=is_unit)
 
 
-def launch_step(wrap, logits, bias, temperature, k, biased, block_v, block_b, group_size, unit_max,
+def launch_step(wrap, logits, bias, w2, temperature, k, biased, block_v, block_b, group_size, unit_max,
                 unit_sum, unit_index):
     """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
-    interpreter tests). bias: [B, V] or None."""
+    interpreter tests). bias: [B, V], or [B, r] with w2 [V, r], or None."""
     batch, positions, vocab = logits.shape
+    rank = 0 if w2 is None else w2.shape[1]
     wrap(_step_kernel)[(triton.cdiv(batch, block_b), triton.cdiv(vocab, block_v))](
-        logits, logits if bias is None else bias, temperature, biased, unit_max, unit_sum, unit_index,
-        k, batch, vocab, positions, logits.stride(0), logits.stride(1), HAS_BIAS=bias is not None,
-        BLOCK_B=block_b, BLOCK_V=block_v, UNIT=unit_size(block_v, group_size),
-        num_warps=step_warps(block_v, block_b))
+        logits, logits if bias is None else bias, logits if w2 is None else w2, temperature, biased, unit_max,
+        unit_sum, unit_index, k, batch, vocab, positions, logits.stride(0), logits.stride(1),
+        0 if bias is None else bias.stride(0), 0 if w2 is None else w2.stride(0),
+        BIAS=0 if bias is None else 1 if w2 is None else 2, RANK=rank,
+        BLOCK_R=max(MIN_DOT, min(64, triton.next_power_of_2(max(rank, 1)))), BLOCK_B=block_b, BLOCK_V=block_v,
+        UNIT=unit_size(block_v, group_size), num_warps=step_warps(block_v, block_b))
 
 
 def step_warps(block_v: int, block_b: int) -> int:
@@ -121,6 +143,12 @@ def scaled(biased: Tensor, temperature: Tensor) -> Tensor:
     """x = biased * (1 / T) as the kernels round it (greedy rows: T counts as 1); biased [B, ...]."""
     inverse = 1.0 / torch.where(temperature == 0, 1.0, temperature)
     return biased * inverse.view(-1, *[1] * (biased.dim() - 1))
+
+
+def low_rank_bias(v: Tensor, w2: Tensor) -> Tensor:
+    """The bias v W2^T in float32 from its factor v [B, r] and W2 [V, r]: what the low-rank step adds,
+    but for the order of the float32 sums."""
+    return v.float() @ w2.float().T
 
 
 def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
@@ -142,13 +170,15 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int,
 
 
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
-def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
-                block_v: int = STEP_TILES[0], block_b: int = STEP_TILES[1],
+def gumbel_step(logits: Tensor, bias: Tensor | None, w2: Tensor | None, temperature: Tensor, k: int,
+                biased: Tensor, block_v: int = STEP_TILES[0], block_b: int = STEP_TILES[1],
                 group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
     """Step of draft position k: the pass over the vocabulary.
 
-    logits [B, K, V] float32 | bfloat16, read as they are; bias [B, V] any float dtype, or None
-    (no Markov head); temperature [B] float32 (0 = greedy row).
+    logits [B, K, V] float32 | bfloat16, read as they are; bias: the Markov bias [B, V] (any float
+    dtype), or, with w2 [V, r] (the head's W2), its factor v [B, r] in w2's dtype (bias = v W2^T,
+    computed in the step; block_b at least MIN_DOT), or None (no Markov head); temperature [B]
+    float32 (0 = greedy row).
     Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32). block_v (a power of two) and
     block_b (a power of two) tile the vocabulary and the batch; group_size (a power of two) is the
     draw's group (module docstring).
@@ -157,19 +187,31 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int
     of exp(x - max) (float32), and the token id of its max (int64, the smallest on ties).
     """
     _check_step(logits, temperature, k, biased, block_v, block_b, group_size)
-    if bias is not None and (bias.shape != (logits.shape[0], logits.shape[-1])
-                             or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous [{logits.shape[0]}, {logits.shape[-1]}], "
-                         f"got {tuple(bias.shape)}")
+    _check_bias(logits, bias, w2, block_b)
     if logits.device.type == "cpu":
-        return step_torch(logits, None if bias is None else bias.float(), temperature, k, biased, block_v,
-                          group_size)
+        dense = None if bias is None else bias.float() if w2 is None else low_rank_bias(bias, w2)
+        return step_torch(logits, dense, temperature, k, biased, block_v, group_size)
     shape = (logits.shape[0], num_units(logits.shape[-1], block_v, group_size))
     unit_max, unit_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(2))
     unit_index = logits.new_empty(shape, dtype=torch.int64)
-    launch_step(wrap_triton, logits, bias, temperature, k, biased, block_v, block_b, group_size, unit_max,
+    launch_step(wrap_triton, logits, bias, w2, temperature, k, biased, block_v, block_b, group_size, unit_max,
                 unit_sum, unit_index)
     return unit_max, unit_sum, unit_index
+
+
+def _check_bias(logits, bias, w2, block_b):
+    batch, _, vocab = logits.shape
+    if w2 is None:
+        if bias is not None and (bias.shape != (batch, vocab) or bias.stride(-1) != 1):
+            raise ValueError(f"bias must be [{batch}, {vocab}] with contiguous rows, got {tuple(bias.shape)}")
+        return
+    if w2.dim() != 2 or w2.shape[0] != vocab or w2.stride(-1) != 1:
+        raise ValueError(f"w2 must be [{vocab}, r] with contiguous rows, got {tuple(w2.shape)}")
+    if bias is None or bias.shape != (batch, w2.shape[1]) or bias.dtype != w2.dtype or bias.stride(-1) != 1:
+        raise ValueError(f"with w2, bias must be the factor [{batch}, {w2.shape[1]}] {w2.dtype} with contiguous "
+                         f"rows, got {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    if block_b < MIN_DOT:
+        raise ValueError(f"the low-rank step needs block_b >= {MIN_DOT} (a tensor-core tile), got {block_b}")
 
 
 def _is_power_of_two(n: int) -> bool:

@@ -2,13 +2,16 @@
 implementations: biased logits, tile maxima, winners' token ids and gathered rows exactly; sums and
 proposals to float32 rounding (numpy's exp/log may differ from torch's by an ulp).
 
-The step kernel is checked without a bias and with a precomputed bias (in the logits' dtype), one and
-several vocabulary tiles (holding one group, a part of one or several groups), one and several rows per tile (B = 3 and 5 cross row tiles of 2 and 4,
-leaving masked rows in the last tile), float32 and bfloat16 logits, greedy and NaN padding rows."""
+The step kernel is checked without a bias, with a precomputed bias (in the logits' dtype) and with
+the bias as a low-rank product it computes itself (tl.dot; factors whose products and sums are exact
+in float32 in any order), one and several vocabulary tiles (holding one group, a part of one or
+several groups), one and several rows per tile (B = 3 and 5 cross row tiles of 2 and 4, leaving
+masked rows in the last tile), float32 and bfloat16 logits, greedy and NaN padding rows."""
 import pytest
 import torch
 
-from dspark.ops.gumbel_max import gumbel_pick_torch, launch_gumbel_pick, launch_step, num_units, step_torch
+from dspark.ops.gumbel_max import (gumbel_pick_torch, launch_gumbel_pick, launch_step, low_rank_bias, num_units,
+                                   step_torch)
 from dspark.ops.proposal import launch_write_proposals, write_proposals_torch
 
 K, V, R = 2, 300, 24
@@ -41,7 +44,15 @@ def inputs(batch, dtype, seed=0):
     return logits, bias, temperature, seeds, offsets
 
 
-def kernel_steps(logits, bias, temperature, block_v, block_b, group_size):
+def factors(batch, dtype, rank=24, seed=0):
+    """A low-rank bias's factor v [B, r] and W2 [V, r]: multiples of 1/4 and 1/8, so that v W2^T is
+    exact in float32 whatever the order of its sums (r = 24: a masked rank chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randint(-4, 5, (batch, rank), generator=g) / 4
+    return v.to(dtype), (torch.randint(-4, 5, (V, rank), generator=g) / 8).to(dtype)
+
+
+def kernel_steps(logits, bias, temperature, block_v, block_b, group_size, w2=None):
     """All K steps of the kernel into fresh buffers -> biased, [(unit_max, unit_sum, unit_index)]."""
     batch = logits.shape[0]
     biased = torch.full((batch, K, V), -1.0)
@@ -49,7 +60,7 @@ def kernel_steps(logits, bias, temperature, block_v, block_b, group_size):
     for k in range(K):
         shape = (batch, num_units(V, block_v, group_size))
         out = (torch.full(shape, -1.0), torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64))
-        launch_step(run_kernel, logits, bias, temperature, k, biased, block_v, block_b, group_size, *out)
+        launch_step(run_kernel, logits, bias, w2, temperature, k, biased, block_v, block_b, group_size, *out)
         outputs.append(out)
     return biased, outputs
 
@@ -71,20 +82,35 @@ def assert_steps_equal(got, want):
 TILES = [(512, 1, 512), (128, 1, 32), (64, 4, 128), (16, 2, 64)]  # (block_v, block_b, group_size)
 
 
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+LOW_RANK_TILES = [(512, 16, 512), (128, 16, 32), (64, 32, 128)]
+
+
+@pytest.mark.parametrize("bias_kind, tiles", [(kind, tiles) for kind in ("dense", "none") for tiles in TILES]
+                         + [("low-rank", tiles) for tiles in LOW_RANK_TILES],
+                         ids=[f"{kind}-{tiles[0]}x{tiles[1]}-group{tiles[2]}"
+                              for kind in ("dense", "none") for tiles in TILES]
+                         + [f"low-rank-{tiles[0]}x{tiles[1]}-group{tiles[2]}" for tiles in LOW_RANK_TILES])
 @pytest.mark.parametrize("batch", [1, 3, 5])
-@pytest.mark.parametrize("tiles", TILES, ids=["1tile-1row-1group", "3tiles-1row-10groups", "5tiles-4rows-3groups",
-                                              "19tiles-2rows-5groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_kernel_matches_torch(dtype, tiles, batch, with_bias):
-    """The bias (if any) in the logits' dtype."""
+def test_step_kernel_matches_torch(dtype, tiles, batch, bias_kind):
+    """The dense bias (if any) in the logits' dtype; the low-rank factors in float32 (the interpreter's
+    tl.dot multiplies bfloat16 operands as their raw 16-bit integers; the gpu tests run bfloat16
+    factors)."""
     logits, bias, temperature, seed, offset = inputs(batch, dtype)
-    bias = bias.to(dtype) if with_bias else None
+    w2 = None
+    if bias_kind == "low-rank":
+        bias, w2 = factors(batch, torch.float32)
+        w2[290] = w2[7]  # the greedy row's tie, as inputs() makes it for a dense bias
+    elif bias_kind == "dense":
+        bias = bias.to(dtype)
+    else:
+        bias = None
     block_v, block_b, group_size = tiles
-    got = kernel_steps(logits, bias, temperature, *tiles)
-    assert_steps_equal(got, torch_steps(logits, bias, temperature, block_v, group_size))
+    got = kernel_steps(logits, bias, temperature, *tiles, w2=w2)
+    dense = bias if w2 is None else low_rank_bias(bias, w2)
+    assert_steps_equal(got, torch_steps(logits, dense, temperature, block_v, group_size))
     if batch > 2:  # the padding row: the bias alone
-        want = torch.zeros(V) if bias is None else bias[2].float()
+        want = torch.zeros(V) if bias is None else dense[2].float()
         assert torch.equal(got[0][2], want.expand(K, V))
     if batch > 1:
         tokens, stat_max, stat_sum = pick_buffers(batch)
