@@ -5,11 +5,12 @@ runs the whole block; on GPU it is captured in a CUDA graph after warm-up and ti
 (CUDA events, median). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- dspark: ancestral_draft (per position the step, which computes the Markov bias from the head's
-  rank-r factor and streams W2 itself, and the pick; one proposal launch) at its default tiles
-  (gumbel_max.step_tiles); with --tiles, one more column per step tiling;
-- dspark, bias GEMM: ancestral_draft(fuse_bias=False), the seed's design: per position a cuBLAS
-  GEMM writes the bias [B, V], then the step adds it;
+- dspark: ancestral_draft as shipped (per position the step and the pick, one proposal launch; the
+  Markov bias by the design gumbel_max.bias_in_step picks for the batch, at its default tiles);
+- bias in step: ancestral_draft(fuse_bias=True): the step computes the bias from the head's rank-r
+  factor, streaming W2 itself; with --tiles, one more such column per step tiling;
+- bias GEMM: ancestral_draft(fuse_bias=False), the seed's design: per position a cuBLAS GEMM writes
+  the bias [B, V], then the step adds it;
 - bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -94,8 +95,9 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
                                                            draft_probs), device),
                 "dspark": dspark(),
-                **{f"dspark {v}x{b}": dspark(tiles=(v, b)) for v, b in tiles},
-                "dspark, bias GEMM": dspark(fuse_bias=False),
+                "bias in step": dspark(fuse_bias=True),
+                **{f"bias in step {v}x{b}": dspark(tiles=(v, b), fuse_bias=True) for v, b in tiles},
+                "bias GEMM": dspark(fuse_bias=False),
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
@@ -133,7 +135,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--rank", type=int, default=256)
     parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
-                        help="also time ancestral_draft with these step tiles (block_v, block_b)")
+                        help="also time the bias-in-step variant with these step tiles (block_v, block_b)")
     parser.add_argument("--profile", type=int, default=0, metavar="BLOCKS",
                         help="also profile this many eager dspark blocks at the last batch size")
     parser.add_argument("--out", help="also write the table as markdown here")

@@ -2,11 +2,12 @@
 where d_{k-1} is the token drawn before it (the anchor for k = 0), and that distribution is stored as
 the position's proposal for verification.
 
-Per position: the head's rank-r factor of the Markov bias, the step op (the bias product with the
-head's W2, the biased logits and their softmax statistics; gumbel_max.py), the pick op (the
-two-level Gumbel-max race: the token, the merged statistics, the Markov embedding of the token for
-the next position). After the block, the proposal op writes all K proposals. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True)
-and is captured in a CUDA graph.
+Per position: the Markov bias (a cuBLAS GEMM through the head, or, for small batches, the head's
+rank-r factor, whose product with W2 the step computes), the step op (the biased logits and their
+softmax statistics; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, the
+merged statistics, the Markov embedding of the token for the next position). After the block, the
+proposal op writes all K proposals. Static shapes and no host sync: the block compiles with
+torch.compile(fullgraph=True) and is captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import gumbel_pick, gumbel_step, low_rank_bias, step_tiles
+from dspark.ops.gumbel_max import bias_in_step, gumbel_pick, gumbel_step, low_rank_bias, step_tiles
 from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
                     anchor: Tensor, temperature: Tensor, seed: Tensor, offset: Tensor,
                     slots: Tensor, draft_probs: Tensor, tiles: tuple[int, int] | None = None,
-                    fuse_bias: bool = True) -> Tensor:
+                    fuse_bias: bool | None = None) -> Tensor:
     """Draws a block and writes its proposals; returns the draft tokens [B, K] int64.
 
     logits [B, K, V] float32 | bfloat16: the drafter's base logits, left as they are (NaN rows are
@@ -31,11 +32,12 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     chain with one-hot proposals); seed, offset [B] int64: the Philox key and counter of each
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
     tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program (default:
-    gumbel_max.step_tiles). fuse_bias=False computes each bias [B, V] by a GEMM through the head
-    before the step (the seed's design, which bench/drafting.py compares) instead of in the step.
+    gumbel_max.step_tiles). fuse_bias: whether the step computes the Markov bias from the head's
+    rank-r factor and W2, or a GEMM through the head writes each bias [B, V] before the step (the
+    seed's design); default gumbel_max.bias_in_step(B).
     """
     batch, positions, vocab = logits.shape
-    fuse_bias = fuse_bias and head is not None
+    fuse_bias = head is not None and (bias_in_step(batch) if fuse_bias is None else fuse_bias)
     tiles = tiles or step_tiles(batch, low_rank=fuse_bias)
     biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
@@ -61,8 +63,9 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
 
 def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
     """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
-    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows (up to the order of
-    the bias product's float32 sums, on CUDA); a batch of
+    logits counting as 0, the bias in float32 as the step computes it. These are the tokens
+    ancestral_draft draws for greedy rows (up to the bias's rounding: its GEMM path rounds the bias to
+    the head's dtype, its kernels sum the product in another order); a batch of
     greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
 
     logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.

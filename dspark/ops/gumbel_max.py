@@ -47,11 +47,23 @@ STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per
 MIN_DOT = 16  # tensor-core tiles: the low-rank step's row tile and rank chunk are at least this
 
 
+BIAS_IN_STEP_MAX_ROWS = 8  # the largest batch whose step computes the Markov bias itself
+
+
+def bias_in_step(batch: int) -> bool:
+    """Whether the step computes the Markov bias of `batch` rows from the head's factor (else a cuBLAS
+    GEMM writes it first). On the H200 (bench/drafting.py, docs/performance.md) the step that streams
+    W2 itself took 5% off a block at 8 rows and matched the GEMM at 1, but was 16-36% slower at 44
+    and 88 rows (below the copy bandwidth with its 128-row tiles), where the GEMM design stays."""
+    return batch <= BIAS_IN_STEP_MAX_ROWS
+
+
 def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
     """The step's tiles for a batch of `batch` rows. A dense bias or none: 2048-token tiles from 8 rows
     on, where the fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
     bench/drafting.py --tiles on the H200, docs/performance.md). A low-rank bias: 128-token tiles
-    of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position."""
+    of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position (64- and 256-token
+    tiles were slower on the H200)."""
     if low_rank:
         return 128, min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
     return STEP_TILES if batch < 8 else (2048, 1)
