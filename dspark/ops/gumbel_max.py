@@ -21,9 +21,9 @@ of min(block_v, group_size) tokens the softmax statistics of x and the argmax of
 either as it is, [B, V] (a cuBLAS GEMM through the head before the step: the seed's design), or as
 its rank-r factor v [B, r] with the head's W2 [V, r]: then the step computes v W2^T itself on tensor
 cores, a tile of W2 against all the rows of its row tile, so W2 is streamed once per position and
-the bias is never written out. The pick op merges the units into groups
-and into the row's statistics, runs the two races (re-reading the winning group's biased logits),
-writes the token and gathers the next Markov embedding.
+the bias is never written out (drafting does so for small batches: bias_in_step). The pick op
+merges the units into groups and into the row's statistics, runs the two races (re-reading the
+winning group's biased logits), writes the token and gathers the next Markov embedding.
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
