@@ -63,9 +63,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
 
 def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None, anchor: Tensor) -> Tensor:
     """The argmax chain: position k takes argmax(base_k + bias(d_{k-1})), smallest id on ties, NaN
-    logits counting as 0, the bias in float32 as the step computes it. These are the tokens
-    ancestral_draft draws for greedy rows (up to the bias's rounding: its GEMM path rounds the bias to
-    the head's dtype, its kernels sum the product in another order); a batch of
+    logits counting as 0. These are the tokens ancestral_draft draws for greedy rows (on CUDA up to
+    the rounding of the bias, which its kernels may keep in float32); a batch of
     greedy requests needs nothing more (no noise, no proposals: greedy verification reads none).
 
     logits [B, K, V]; hidden [B, K, d] or None; anchor [B] -> draft tokens [B, K] int64.
@@ -80,7 +79,7 @@ def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | No
         biased = biased.masked_fill(biased.isnan(), 0.0)
         if head is not None:
             v, state = head.low_rank(prev, None if hidden is None else hidden[:, k], state)
-            biased = biased + low_rank_bias(v, head.markov_w2.weight)  # as the step adds it
+            biased = biased + low_rank_bias(v, head.markov_w2.weight)  # as the CPU's step adds it
         token = biased.argmax(dim=-1)
         if head is not None:
             prev = head.markov_w1(token)

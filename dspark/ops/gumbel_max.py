@@ -158,9 +158,11 @@ def scaled(biased: Tensor, temperature: Tensor) -> Tensor:
 
 
 def low_rank_bias(v: Tensor, w2: Tensor) -> Tensor:
-    """The bias v W2^T in float32 from its factor v [B, r] and W2 [V, r]: what the low-rank step adds,
-    but for the order of the float32 sums."""
-    return v.float() @ w2.float().T
+    """The bias v W2^T from its factor v [B, r] and W2 [V, r], as the head's own GEMM computes it (in
+    their dtype), as float32: what the low-rank step adds on the CPU. The CUDA kernel keeps its
+    float32 sum unrounded (and sums in another order); on the CPU a float32 product would convert W2
+    at every position."""
+    return (v @ w2.T).float()
 
 
 def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
