@@ -6,9 +6,9 @@ its SASS instruction count per token is the figure a change to its arithmetic mo
 without a GPU. Triton compiles the kernel as a launch at V = 200064 would (pointers and the
 vocabulary's multiples of 16 specialized as divisible by 16), with a bfloat16 bias [B, V] for tiles
 of fewer than MIN_DOT rows and with a rank-256 bfloat16 factor and W2 (the bias product in the step)
-for larger row tiles, then its bundled ptxas and cuobjdump give the SASS. Static counts: every instruction once, the division's
-slow paths included (Nsight Compute counted 113 executed instructions per token at 1024-token tiles
-where this counts 126 for the same commit).
+for larger row tiles, then its bundled ptxas and cuobjdump give the SASS. Static counts: every
+instruction once, the division's slow paths included (Nsight Compute counted 113 executed
+instructions per token at 1024-token tiles where this counts 126 for the same commit).
 
     python bench/step_sass.py                     # the default tilings
     python bench/step_sass.py --tiles 4096x1 2048x2
@@ -25,14 +25,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dspark.ops.gumbel_max import (GROUP_SIZE, MIN_DOT, STEP_TILES, _step_kernel, step_tiles, step_warps,
-                                   unit_size)
+from dspark.ops.gumbel_max import (GROUP_SIZE, MIN_DOT, STEP_TILES, _step_kernel, rank_chunk, step_tiles,
+                                   step_warps, unit_size)
 from drafting import tile_pair
 from timing import emit_table
 
 RANK = 256  # the drafting benchmark's Markov rank
-TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "w2_ptr": "*bf16", "temperature_ptr": "*fp32", "biased_ptr": "*fp32",
-         "unit_max_ptr": "*fp32", "unit_sum_ptr": "*fp32", "unit_index_ptr": "*i64"}
+TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "w2_ptr": "*bf16", "temperature_ptr": "*fp32",
+         "biased_ptr": "*fp32", "unit_max_ptr": "*fp32", "unit_sum_ptr": "*fp32", "unit_index_ptr": "*i64"}
 ALIGNED = ("vocab_size", "logits_row_stride", "logits_pos_stride", "bias_row_stride", "w2_row_stride")
 
 
@@ -40,7 +40,7 @@ def sass(block_v: int, block_b: int) -> tuple[str, dict]:
     """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
     names = _step_kernel.arg_names
     low_rank = block_b >= MIN_DOT
-    constexprs = {"BIAS": 2 if low_rank else 1, "RANK": RANK if low_rank else 0, "BLOCK_R": 64,
+    constexprs = {"BIAS": 2 if low_rank else 1, "RANK": RANK if low_rank else 0, "BLOCK_R": rank_chunk(RANK),
                   "BLOCK_B": block_b, "BLOCK_V": block_v, "UNIT": unit_size(block_v, GROUP_SIZE)}
     signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ALIGNED}

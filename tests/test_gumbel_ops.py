@@ -281,7 +281,8 @@ LOW_RANK_TILES = [(128, 16, 1024), (128, 64, 1024), (256, 32, 1024), (64, 128, 5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_kind, tiles", [("dense", t) for t in DENSE_TILES] + [("low-rank", t) for t in LOW_RANK_TILES])
+@pytest.mark.parametrize("bias_kind, tiles",
+                         [("dense", t) for t in DENSE_TILES] + [("low-rank", t) for t in LOW_RANK_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernels_match_the_cpu_implementation(dtype, bias_kind, tiles):
     """B = 37 crosses row tiles of 2, 4, 16 and 32; the bias (in the logits' dtype) is added in float32

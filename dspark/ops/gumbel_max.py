@@ -69,6 +69,11 @@ def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
     return STEP_TILES if batch < 8 else (2048, 1)
 
 
+def rank_chunk(rank: int) -> int:
+    """Ranks per tl.dot of the low-rank step: the rank up to 64, at least MIN_DOT (masked beyond it)."""
+    return max(MIN_DOT, min(64, triton.next_power_of_2(max(rank, 1))))
+
+
 def unit_size(block_v: int, group_size: int) -> int:
     """Tokens per unit of the step's outputs: a tile, or a group where a tile holds several."""
     return min(block_v, group_size)
@@ -142,8 +147,8 @@ def launch_step(wrap, logits, bias, w2, temperature, k, biased, block_v, block_b
         unit_sum, unit_index, k, batch, vocab, positions, logits.stride(0), logits.stride(1),
         0 if bias is None else bias.stride(0), 0 if w2 is None else w2.stride(0),
         BIAS=0 if bias is None else 1 if w2 is None else 2, RANK=rank,
-        BLOCK_R=max(MIN_DOT, min(64, triton.next_power_of_2(max(rank, 1)))), BLOCK_B=block_b, BLOCK_V=block_v,
-        UNIT=unit_size(block_v, group_size), num_warps=step_warps(block_v, block_b))
+        BLOCK_R=rank_chunk(rank), BLOCK_B=block_b, BLOCK_V=block_v, UNIT=unit_size(block_v, group_size),
+        num_warps=step_warps(block_v, block_b))
 
 
 def step_warps(block_v: int, block_b: int) -> int:

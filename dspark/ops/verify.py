@@ -167,8 +167,8 @@ def _stats_kernel(logits_ptr, temperature_ptr, chunk_max_ptr, chunk_sum_ptr, chu
 
 @triton.jit
 def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_stride, draft_probs_ptr, slots_ptr,
-                   temperature_ptr, seed_ptr, offset_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_arg_ptr, lse_ptr, argmax_ptr, rho_ptr,
-                   num_accepted_ptr, V, NUM_CHUNKS, K: tl.constexpr, ROWS_POW2: tl.constexpr,
+                   temperature_ptr, seed_ptr, offset_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_arg_ptr, lse_ptr,
+                   argmax_ptr, rho_ptr, num_accepted_ptr, V, NUM_CHUNKS, K: tl.constexpr, ROWS_POW2: tl.constexpr,
                    CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Per request, all K+1 positions at once: each row's lse and (for greedy rows) argmax from the
     chunk statistics, then the greedy or standard accepted count; for block verification the capped
@@ -297,8 +297,8 @@ def _pick_chunk(best_ptr, b, NUM_CHUNKS, CHUNKS_POW2: tl.constexpr):
 
 @triton.jit
 def _emit_kernel(draft_tokens_ptr, draft_row_stride, draft_col_stride, temperature_ptr, argmax_ptr, num_accepted_ptr,
-                 best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, emitted_ptr, NUM_CHUNKS, K: tl.constexpr, CHUNKS_POW2: tl.constexpr,
-                 EMIT_POW2: tl.constexpr):
+                 best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, emitted_ptr, NUM_CHUNKS, K: tl.constexpr,
+                 CHUNKS_POW2: tl.constexpr, EMIT_POW2: tl.constexpr):
     """Per request: reduce the chunk candidates to the token and write [drafts[:n], token, -1 ...]."""
     b = tl.program_id(0)
     n = tl.load(num_accepted_ptr + b)
