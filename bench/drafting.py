@@ -2,15 +2,17 @@
 
 B x K x V bfloat16 base logits, a rank-r vanilla Markov head in bfloat16, random data. Each variant
 runs the whole block; on GPU it is captured in a CUDA graph after warm-up and timed by replays
-(CUDA events, median). Variants, in one process:
+(CUDA events, median; the L2 cache overwritten before each replay, so that no replay starts on what
+the one before left there). Variants, in one process:
 
 - torch loop: per position the bias GEMM, softmax, multinomial and a float32 proposal scatter;
-- dspark: ancestral_draft as shipped (per position the step and the pick, one proposal launch; the
-  Markov bias by the design gumbel_max.bias_in_step picks for the batch, at its default tiles);
+- dspark: ancestral_draft as shipped (per position the step and the pick, which writes the
+  position's proposal; the Markov bias by the design gumbel_max.bias_in_step picks for the batch,
+  at its default tiles);
 - bias in step: ancestral_draft(fuse_bias=True): the step computes the bias from the head's rank-r
   factor, streaming W2 itself; with --tiles, one more such column per step tiling;
-- bias GEMM: ancestral_draft(fuse_bias=False), the seed's design: per position a cuBLAS GEMM writes
-  the bias [B, V], then the step adds it;
+- bias GEMM: ancestral_draft(fuse_bias=False): per position a cuBLAS GEMM writes the bias [B, V],
+  the step reads it with the base logits, the pick reads both again (no float32 biased logits);
 - bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -87,18 +89,19 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
                                    draft_probs, **kwargs)
 
         def dspark(**kwargs):
-            return median_us(lambda: block(**kwargs), device)
+            return median_us(lambda: block(**kwargs), device, flush_l2=True)
 
         with torch.inference_mode():
             row = {
                 "B": batch,
                 "torch loop": median_us(lambda: torch_loop(logits, head, anchor, temperature, slots,
-                                                           draft_probs), device),
+                                                           draft_probs), device, flush_l2=True),
                 "dspark": dspark(),
                 "bias in step": dspark(fuse_bias=True),
                 **{f"bias in step {v}x{b}": dspark(tiles=(v, b), fuse_bias=True) for v, b in tiles},
                 "bias GEMM": dspark(fuse_bias=False),
-                "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device),
+                "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device,
+                                        flush_l2=True),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
             }
         rows.append(row)

@@ -40,13 +40,14 @@ def sass(block_v: int, block_b: int) -> tuple[str, dict]:
     """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
     names = _step_kernel.arg_names
     low_rank = block_b >= MIN_DOT
-    constexprs = {"BIAS": 2 if low_rank else 1, "RANK": RANK if low_rank else 0, "BLOCK_R": rank_chunk(RANK),
-                  "BLOCK_B": block_b, "BLOCK_V": block_v, "UNIT": unit_size(block_v, GROUP_SIZE)}
+    constexprs = {"BIAS": 2 if low_rank else 1, "WRITE": low_rank, "RANK": RANK if low_rank else 0,
+                  "BLOCK_R": rank_chunk(RANK), "BLOCK_B": block_b, "BLOCK_V": block_v,
+                  "UNIT": unit_size(block_v, GROUP_SIZE)}
     signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ALIGNED}
     kernel = triton.compile(ASTSource(_step_kernel, signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": step_warps(block_v, block_b)})
+                            options={"num_warps": step_warps(block_v, block_b, low_rank)})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "step.cubin")
@@ -71,7 +72,7 @@ def main():
         text, usage = sass(block_v, block_b)
         count = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+\S", text))
         tokens = block_v * block_b
-        threads = 32 * step_warps(block_v, block_b)
+        threads = 32 * step_warps(block_v, block_b, block_b >= MIN_DOT)
         rows.append(f"| {block_v} x {block_b} | {threads} | {count} | {count * threads / tokens:.0f} "
                     f"| {usage['REG']} | {usage['STACK']} |")
     header = f"Step kernel SASS for sm_90 (static counts, per thread), triton {triton.__version__}.\n"

@@ -3,11 +3,12 @@ where d_{k-1} is the token drawn before it (the anchor for k = 0), and that dist
 the position's proposal for verification.
 
 Per position: the Markov bias (a cuBLAS GEMM through the head, or, for small batches, the head's
-rank-r factor, whose product with W2 the step computes), the step op (the biased logits and their
-softmax statistics; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, the
-merged statistics, the Markov embedding of the token for the next position). After the block, the
-proposal op writes all K proposals. Static shapes and no host sync: the block compiles with
-torch.compile(fullgraph=True) and is captured in a CUDA graph.
+rank-r factor, whose product with W2 the step computes), the step op (the softmax statistics of the
+biased logits; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, its proposal,
+the Markov embedding of the token for the next position). The biased logits are written out (float32)
+only when the step computes the bias itself; otherwise the pick reads the base logits and the bias
+again. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True) and is
+captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from torch import Tensor
 
 from dspark.markov import VanillaMarkov
 from dspark.ops.gumbel_max import bias_in_step, gumbel_pick, gumbel_step, low_rank_bias, step_tiles
-from dspark.ops.proposal import write_proposals
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
@@ -39,10 +39,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     batch, positions, vocab = logits.shape
     fuse_bias = head is not None and (bias_in_step(batch) if fuse_bias is None else fuse_bias)
     tiles = tiles or step_tiles(batch, low_rank=fuse_bias)
-    biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32)
+    biased = logits.new_empty((batch, positions, vocab), dtype=torch.float32) if fuse_bias else None
     tokens = logits.new_empty((batch, positions), dtype=torch.int64)
-    stat_max = logits.new_empty((batch, positions), dtype=torch.float32)
-    stat_sum = torch.empty_like(stat_max)
 
     table = prev = state = bias = w2 = None
     if head is not None:
@@ -55,9 +53,9 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
             h = None if hidden is None else hidden[:, k]
             bias, state = head.low_rank(prev, h, state) if fuse_bias else head.bias(prev, h, state)
         units = gumbel_step(logits, bias, w2, temperature, k, biased, *tiles)
-        prev = gumbel_pick(*units, biased, temperature, seed, offset, table, k, tokens, stat_max, stat_sum,
+        source, added = (biased, None) if fuse_bias else (logits, bias)
+        prev = gumbel_pick(*units, source, added, temperature, seed, offset, table, k, tokens, slots, draft_probs,
                            tiles[0])
-    write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, draft_probs)
     return tokens
 
 

@@ -1,7 +1,7 @@
-"""The drafting ops (dspark::gumbel_step, gumbel_pick, write_proposals) through torch on CPU:
-custom-op registration, what they compute, determinism of the noise, and that the draw follows
-softmax((logits + bias) / T) for a precomputed Markov bias (or one the step computes from its
-low-rank factors). The Triton kernels are checked against the
+"""The drafting ops (dspark::gumbel_step, gumbel_pick) through torch on CPU: custom-op
+registration, what they compute (statistics, tokens, proposals), determinism of the noise, and that
+the draw follows softmax((logits + bias) / T) for a precomputed Markov bias (or one the step
+computes from its low-rank factors). The Triton kernels are checked against the
 same CPU implementation in tests/interpret/test_gumbel_kernels.py; the `gpu` tests run them on CUDA."""
 import numpy as np
 import pytest
@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from dspark.ops.gumbel_max import gumbel_pick, gumbel_step
-from dspark.ops.proposal import write_proposals
 from stats import assert_differs, assert_matches
 
 K, V, R = 2, 40, 16
@@ -50,27 +49,31 @@ def biased_buffer(batch, vocab=V, device="cpu"):
     return torch.full((batch, K, vocab), -7.0, device=device)
 
 
-def pick_buffers(batch, device="cpu"):
-    """tokens [B, K] int64, stat_max, stat_sum [B, K] float32, filled with a marker value."""
-    return (torch.full((batch, K), -7, dtype=torch.int64, device=device),
-            torch.full((batch, K), -7.0, device=device), torch.full((batch, K), -7.0, device=device))
+def pick_buffers(batch, vocab=V, device="cpu"):
+    """tokens [B, K] int64, slots [B] (row b's slot: b), draft_probs [B, K, V] float32, the buffers
+    filled with a marker value."""
+    return (torch.full((batch, K), -7, dtype=torch.int64, device=device), torch.arange(batch, device=device),
+            torch.full((batch, K, vocab), -7.0, device=device))
 
 
-def position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, table=None,
-             block_v=64, block_b=16, group_size=G):
-    """The step and the pick of position k -> the pick's gathered rows. bias: see step_args."""
+def position(logits, bias, temperature, seeds, offsets, k, biased, tokens, slots, probs, table=None, block_v=64,
+             block_b=16, group_size=G):
+    """The step and the pick of position k, as drafting runs them -> the pick's gathered rows. bias:
+    see step_args; with a low-rank pair the pick reads the biased logits the step wrote (biased
+    [B, K, V] required), else the logits and the bias (biased written if given)."""
     units = gumbel_step(logits, *step_args(bias), temperature, k, biased, block_v, block_b, group_size)
-    return gumbel_pick(*units, biased, temperature, seeds, offsets, table, k, tokens, stat_max, stat_sum,
+    source, added = (biased, None) if isinstance(bias, tuple) else (logits, bias)
+    return gumbel_pick(*units, source, added, temperature, seeds, offsets, table, k, tokens, slots, probs,
                        block_v, group_size)
 
 
 def draw(logits, bias, temperature, seeds, offsets, k=0, block_v=64, group_size=G):
-    """Step and pick at position k -> (token [B], biased [B, K, V], stat_max, stat_sum [B, K])."""
-    batch = logits.shape[0]
-    biased, (tokens, stat_max, stat_sum) = biased_buffer(batch, logits.shape[-1]), pick_buffers(batch)
-    position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum,
-             block_v=block_v, group_size=group_size)
-    return tokens[:, k], biased, stat_max, stat_sum
+    """Step and pick at position k -> (token [B], biased [B, K, V], proposals [B, K, V])."""
+    batch, _, vocab = logits.shape
+    biased, (tokens, slots, probs) = biased_buffer(batch, vocab), pick_buffers(batch, vocab)
+    position(logits, bias, temperature, seeds, offsets, k, biased, tokens, slots, probs, block_v=block_v,
+             group_size=group_size)
+    return tokens[:, k], biased, probs
 
 
 def softmax64(biased, temperature):
@@ -85,17 +88,13 @@ def test_opcheck(dtype):
     temperature[1] = 0
     logits[2] = float("nan")
     for b in (bias.to(dtype), None, make_factors(3, dtype)):
-        torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, biased_buffer(3), 16, 16, G))
-    biased = biased_buffer(3)
-    units = gumbel_step(logits, bias, None, temperature, 1, biased, 16, 1, G)
+        for biased in (biased_buffer(3), None)[:1 if isinstance(b, tuple) else 2]:
+            torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, biased, 16, 16, G))
+    units = gumbel_step(logits, bias, None, temperature, 1, None, 16, 1, G)
     for table in (torch.randn(V, 4), torch.randn(V, 4, dtype=torch.bfloat16), None):
-        torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets, table, 1,
-                                            *pick_buffers(3), 16, G))
-    biased, (tokens, stat_max, stat_sum) = biased_buffer(3), pick_buffers(3)
-    for k in range(K):
-        position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, block_v=16)
-    torch.library.opcheck(write_proposals, (biased, stat_max, stat_sum, temperature, tokens,
-                                            torch.tensor([2, 0, 3]), torch.zeros(4, K, V)))
+        for added in (bias, bias.bfloat16(), None):
+            torch.library.opcheck(gumbel_pick, (*units, logits, added, temperature, seeds, offsets, table, 1,
+                                                *pick_buffers(3), 16, G))
 
 
 def test_bad_inputs_are_named():
@@ -118,33 +117,47 @@ def test_bad_inputs_are_named():
             gumbel_step(logits, bad_v, bad_w2, temperature, 0, biased_buffer(3), 64, 16, G)
     with pytest.raises(ValueError, match="block_b >= 16"):
         gumbel_step(logits, v, w2, temperature, 0, biased_buffer(3), 64, 8, G)
-    biased = biased_buffer(3)
-    m, s, index = gumbel_step(logits, bias, None, temperature, 0, biased, 16, 1, G)
-    with pytest.raises(ValueError, match="int64"):
-        gumbel_pick(m, s, index.int(), biased, temperature, seeds, offsets, None, 0, *pick_buffers(3), 16, G)
-    with pytest.raises(ValueError, match="k=2"):
-        gumbel_pick(m, s, index, biased, temperature, seeds, offsets, None, 2, *pick_buffers(3), 16, G)
-    with pytest.raises(ValueError, match="seed"):
-        gumbel_pick(m, s, index, biased, temperature, seeds.int(), offsets, None, 0, *pick_buffers(3), 16, G)
+    with pytest.raises(ValueError, match="give biased"):
+        gumbel_step(logits, v, w2, temperature, 0, None, 64, 16, G)
+    m, s, index = gumbel_step(logits, bias, None, temperature, 0, None, 16, 1, G)
+    tokens, slots, probs = pick_buffers(3)
+    for bad, match in (((m, s, index.int(), logits, bias, temperature, seeds, offsets, None, 0), "int64"),
+                       ((m, s, index, logits, bias, temperature, seeds, offsets, None, 2), "k=2"),
+                       ((m, s, index, logits, bias, temperature, seeds.int(), offsets, None, 0), "seed"),
+                       ((m, s, index, logits, bias[:, :-1], temperature, seeds, offsets, None, 0), "bias"),
+                       ((m, s, index, logits[:2], bias, temperature, seeds, offsets, None, 0), "logits")):
+        with pytest.raises(ValueError, match=match):
+            gumbel_pick(*bad, tokens, slots, probs, 16, G)
+    with pytest.raises(ValueError, match="slots"):
+        gumbel_pick(m, s, index, logits, bias, temperature, seeds, offsets, None, 0, tokens, slots.int(), probs,
+                    16, G)
+    with pytest.raises(ValueError, match="draft_probs"):
+        gumbel_pick(m, s, index, logits, bias, temperature, seeds, offsets, None, 0, tokens, slots,
+                    probs[..., :-1], 16, G)
     with pytest.raises(ValueError, match="do not fit"):
-        gumbel_pick(m, s, index, biased, temperature, seeds, offsets, None, 0, *pick_buffers(3), 4, G)
+        gumbel_pick(m, s, index, logits, bias, temperature, seeds, offsets, None, 0, tokens, slots, probs, 4, G)
 
 
 # ---------------------------------------------------------------- what the step computes
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_step_writes_biased_logits_and_statistics(dtype):
+def test_step_writes_biased_logits_and_the_pick_their_softmax(dtype):
+    """The step's biased logits (when asked for) and the pick's proposal, softmax(biased / T), in the
+    row's slot; padding rows read as the bias alone and get finite proposals; nothing else is written."""
     logits, bias, temperature, seeds, offsets = make_inputs(4, dtype)
     logits[3] = float("nan")  # a CUDA-graph padding row
     given = logits.clone()
-    _, biased, stat_max, stat_sum = draw(logits, bias, temperature, seeds, offsets, k=1, block_v=16)
+    biased, (tokens, _, probs) = biased_buffer(4), pick_buffers(4)
+    slots = torch.tensor([5, 1, 0, 3])
+    probs = torch.full((6, K, V), -7.0)
+    position(logits, bias, temperature, seeds, offsets, 1, biased, tokens, slots, probs, block_v=16)
     assert torch.equal(logits.view(torch.uint8), given.view(torch.uint8))  # read as they are
     assert torch.equal(biased[:3, 1], logits[:3, 1].float() + bias[:3])
     assert torch.equal(biased[3, 1], bias[3])
-    assert (biased[:, 0] == -7).all() and (stat_max[:, 0] == -7).all()  # other positions untouched
-    merged = stat_max[:, 1] + torch.log(stat_sum[:, 1])
-    want = torch.logsumexp(biased[:, 1].double() / temperature.double()[:, None], -1)
-    torch.testing.assert_close(merged.double(), want, rtol=1e-6, atol=1e-6)
+    assert (biased[:, 0] == -7).all() and (tokens[:, 0] == -7).all()  # other positions untouched
+    assert (probs[:, 0] == -7).all() and (probs[[2, 4]] == -7).all()  # and slots of no row
+    torch.testing.assert_close(probs[slots, 1].double(), softmax64(biased[:, 1], temperature), rtol=1e-5,
+                               atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -184,32 +197,10 @@ def test_greedy_rows_take_the_argmax_and_a_one_hot_proposal():
     logits[1, 0, 37] = 101.0
     bias[:, 37] = bias[:, 3]  # the same bias at both
     temperature.zero_()
-    tokens, biased, stat_max, stat_sum = draw(logits, bias, temperature, seeds, offsets, block_v=16)
+    tokens, _, probs = draw(logits, bias, temperature, seeds, offsets, block_v=16)
     assert tokens.tolist() == [3, 37, (logits[2, 0] + bias[2]).argmax()]
     assert torch.equal(draw(logits, bias, temperature, seeds + 1, offsets + 1)[0], tokens)
-    probs = torch.zeros(3, K, V)
-    write_proposals(biased, stat_max, stat_sum, temperature, tokens[:, None].repeat(1, K),
-                    torch.arange(3), probs)
     assert torch.equal(probs[:, 0], F.one_hot(tokens, V).float())
-
-
-# ---------------------------------------------------------------- the proposal op
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_proposal_is_softmax_of_biased_logits_over_temperature(dtype):
-    logits, bias, temperature, seeds, offsets = make_inputs(4, dtype)
-    logits[2] = float("nan")
-    biased, (tokens, stat_max, stat_sum) = biased_buffer(4), pick_buffers(4)
-    for k in range(K):
-        position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, block_v=16)
-    slots = torch.tensor([5, 1, 0, 3])
-    probs = torch.full((6, K, V), -1.0)
-    write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, probs)
-    for k in range(K):
-        torch.testing.assert_close(probs[slots, k].double(), softmax64(biased[:, k], temperature),
-                                   rtol=1e-5, atol=1e-7)
-    assert (probs[[2, 4]] == -1).all()
-    assert torch.isfinite(probs[0]).all()  # the padding row's slot
 
 
 # ---------------------------------------------------------------- the draw's distribution
@@ -251,14 +242,13 @@ def test_padding_rows_draw_from_the_bias_alone():
 # ---------------------------------------------------------------- torch.compile
 
 def block(logits, bias, temperature, seeds, offsets, table, slots, probs, block_v, block_b, group_size=G):
-    """All K steps, picks and the proposal write -> tokens, rows, biased, stat_max, stat_sum."""
+    """All K steps and picks -> tokens, rows, biased (-7 where the step wrote nothing)."""
     batch, _, vocab = logits.shape
     biased = torch.full((batch, K, vocab), -7.0, device=logits.device)
-    tokens, stat_max, stat_sum = pick_buffers(batch, logits.device)
-    rows = [position(logits, bias, temperature, seeds, offsets, k, biased, tokens, stat_max, stat_sum, table,
-                     block_v, block_b, group_size) for k in range(K)]
-    write_proposals(biased, stat_max, stat_sum, temperature, tokens, slots, probs)
-    return tokens, torch.stack(rows, 1), biased, stat_max, stat_sum
+    tokens = torch.full((batch, K), -7, dtype=torch.int64, device=logits.device)
+    rows = [position(logits, bias, temperature, seeds, offsets, k, biased if isinstance(bias, tuple) else None,
+                     tokens, slots, probs, table, block_v, block_b, group_size) for k in range(K)]
+    return tokens, torch.stack(rows, 1), biased
 
 
 def test_ops_compile_with_inductor():
@@ -303,9 +293,8 @@ def test_cuda_kernels_match_the_cpu_implementation(dtype, bias_kind, tiles):
     cpu = block(*inputs, probs[0], *tiles)
     gpu_probs = probs[1].cuda()
     gpu = [t.cpu() for t in block(*map(cuda, inputs), gpu_probs, *tiles)]
-    for name, want, got in zip(("tokens", "rows", "biased", "stat_max"), cpu, gpu):
+    for name, want, got in zip(("tokens", "rows", "biased"), cpu, gpu):
         assert torch.equal(got, want), name
-    torch.testing.assert_close(gpu[4], cpu[4], rtol=1e-5, atol=0)
     torch.testing.assert_close(gpu_probs.cpu(), probs[0], rtol=1e-5, atol=1e-9)
 
 
@@ -379,11 +368,10 @@ def test_opcheck_cuda():
     logits, bias, temperature, seeds, offsets = (t.cuda() for t in make_inputs(3, torch.bfloat16))
     biased = biased_buffer(3, device="cuda")
     for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1), (cuda(make_factors(3, torch.bfloat16)), 16)):
-        torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, biased, 16, block_b, G))
-    units = gumbel_step(logits, bias, None, temperature, 0, biased, 16, 2, G)
-    tokens, stat_max, stat_sum = pick_buffers(3, "cuda")
-    torch.library.opcheck(gumbel_pick, (*units, biased, temperature, seeds, offsets,
-                                        torch.randn(V, 4, device="cuda"), 0, tokens, stat_max, stat_sum, 16, G))
-    torch.library.opcheck(write_proposals, (biased, stat_max, stat_sum, temperature, tokens,
-                                            torch.arange(3, device="cuda"),
-                                            torch.zeros(3, K, V, device="cuda")))
+        for written in (biased, None)[:1 if isinstance(b, tuple) else 2]:
+            torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, written, 16, block_b, G))
+    units = gumbel_step(logits, bias, None, temperature, 0, None, 16, 2, G)
+    for source, added in ((logits, bias), (logits, bias.bfloat16()), (biased, None)):
+        torch.library.opcheck(gumbel_pick, (*units, source, added, temperature, seeds, offsets,
+                                            torch.randn(V, 4, device="cuda"), 0, *pick_buffers(3, device="cuda"),
+                                            16, G))

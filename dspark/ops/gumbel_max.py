@@ -15,15 +15,22 @@ vocabulary, so the step that streams the vocabulary is bound by its bytes, not b
 noise depends only on (seed, offset, position, token or group id): the draw does not depend on the
 kernels' tiles, but for float32 rounding of near ties (group sums are summed in tile order).
 
-The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows) adds the Markov
-bias, writes the biased float32 logits (read again by the pick and by the proposal op) and per unit
-of min(block_v, group_size) tokens the softmax statistics of x and the argmax of x. The bias comes
-either as it is, [B, V] (a cuBLAS GEMM through the head before the step: the seed's design), or as
-its rank-r factor v [B, r] with the head's W2 [V, r]: then the step computes v W2^T itself on tensor
-cores, a tile of W2 against all the rows of its row tile, so W2 is streamed once per position and
-the bias is never written out (drafting does so for small batches: bias_in_step). The pick op
-merges the units into groups and into the row's statistics, runs the two races (re-reading the
-winning group's biased logits), writes the token and gathers the next Markov embedding.
+The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows) reads the
+position's logits, base_k (NaN as 0) + bias, and writes per unit of min(block_v, group_size) tokens
+the softmax statistics of x and the argmax of x. The bias comes either as it is, [B, V] (a cuBLAS
+GEMM through the head before the step: the seed's design), or as its rank-r factor v [B, r] with
+the head's W2 [V, r]: then the step computes v W2^T itself on tensor cores, a tile of W2 against all
+the rows of its row tile, so W2 is streamed once per position and the bias is never written out
+(drafting does so for small batches: bias_in_step); that step writes the biased logits in float32,
+because nothing else could recompute its product bit for bit. The pick op (one launch per position,
+a program per row and chunk of PROPOSAL_CHUNK tokens) merges the units into groups and into the
+row's statistics, writes the position's proposal softmax(x) into `draft_probs` (reading the logits
+again: the base logits and the bias, or the biased logits the step wrote, with the same rounding),
+and in the program of chunk 0 runs the two races (the winning group's logits read a third time),
+writes the token and gathers the next Markov embedding. So the seed's float32 biased logits, written
+by the step and read back by a proposal pass after the block, are neither written nor read when the
+bias is given: per token and position the step reads the base logits and the bias, the pick reads
+them again and writes the proposal.
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
@@ -45,6 +52,7 @@ from dspark.ops.philox import (STREAM_DRAFT, STREAM_DRAFT_GROUP, token_exponenti
 GROUP_SIZE = 1024  # tokens per group of the two-level race (part of the draw's definition)
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
 MIN_DOT = 16  # tensor-core tiles: the low-rank step's row tile and rank chunk are at least this
+PROPOSAL_CHUNK = 4096  # vocabulary tokens per pick program (each writes their proposal)
 
 
 BIAS_IN_STEP_MAX_ROWS = 8  # the largest batch whose step computes the Markov bias itself
@@ -59,14 +67,14 @@ def bias_in_step(batch: int) -> bool:
 
 
 def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
-    """The step's tiles for a batch of `batch` rows. A dense bias or none: 2048-token tiles from 8 rows
-    on, where the fewer tiles per row take 4-6% off a block at B = 44 and 88 (and 2% more at B = 1;
-    bench/drafting.py --tiles on the H200, docs/performance.md). A low-rank bias: 128-token tiles
-    of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position (64- and 256-token
-    tiles were slower on the H200)."""
+    """The step's tiles for a batch of `batch` rows. A dense bias or none: STEP_TILES, one warp each
+    (on the H200 2-3% faster blocks at B = 44 and 88 than 2048-token tiles with 2 warps, and than
+    runs of tiles per program with their loads pipelined; docs/performance.md). A low-rank bias:
+    128-token tiles of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position
+    (64- and 256-token tiles were slower on the H200)."""
     if low_rank:
         return 128, min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
-    return STEP_TILES if batch < 8 else (2048, 1)
+    return STEP_TILES
 
 
 def rank_chunk(rank: int) -> int:
@@ -87,42 +95,68 @@ def num_units(vocab_size: int, block_v: int, group_size: int) -> int:
 # ---------------------------------------------------------------- step
 
 @triton.jit
+def _position_logits(logits_ptr, bias_ptr, rows, tokens, inside, k, logits_row_stride, logits_pos_stride,
+                     bias_row_stride, HAS_BIAS: tl.constexpr, POLICY: tl.constexpr):
+    """Position k's logits as float32 at (rows, tokens) (int64 offsets that broadcast together): the
+    given logits, NaN (padding rows) read as 0, plus the bias [B, V] if HAS_BIAS; read with the cache
+    eviction POLICY."""
+    x = tl.load(logits_ptr + rows * logits_row_stride + k * logits_pos_stride + tokens, mask=inside,
+                other=0.0, eviction_policy=POLICY).to(tl.float32)
+    x = tl.where(x != x, 0.0, x)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + rows * bias_row_stride + tokens, mask=inside, other=0.0,
+                     eviction_policy=POLICY).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _low_rank_product(v_ptr, w2_ptr, rows, tokens, is_row, is_token, v_row_stride, w2_row_stride,
+                      RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """v W2^T for a tile, transposed: [BLOCK_V, BLOCK_B] float32. W2's tokens are the dot's M, so
+    that Hopper's warpgroup MMA takes row tiles of 16; the rank loop is software-pipelined."""
+    acc = tl.zeros([tokens.shape[0], rows.shape[0]], tl.float32)
+    for start in tl.range(0, RANK, BLOCK_R, num_stages=3):
+        r = start + tl.arange(0, BLOCK_R)
+        in_rank = r < RANK
+        w2 = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride + r[None, :],
+                     mask=is_token[:, None] & in_rank[None, :], other=0.0)  # [BLOCK_V, BLOCK_R]
+        v = tl.load(v_ptr + rows.to(tl.int64)[None, :] * v_row_stride + r[:, None],
+                    mask=in_rank[:, None] & is_row[None, :], other=0.0)  # [BLOCK_R, BLOCK_B]
+        acc = tl.dot(w2, v, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit_max_ptr, unit_sum_ptr,
                  unit_index_ptr, k, batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
-                 bias_row_stride, w2_row_stride, BIAS: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr):
+                 bias_row_stride, w2_row_stride, BIAS: tl.constexpr, WRITE: tl.constexpr, RANK: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr):
     """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 dense [B, V], 2 the factor [B, r]
-    times W2 [V, r] transposed (tl.dot, float32 accumulation)."""
+    times W2 [V, r] transposed (tl.dot, float32 accumulation). WRITE: store the biased logits.
+    Odd positions take the vocabulary tiles in reverse launch order: a position starts on the tiles
+    (of W2) the position before read last, which are still in L2; the logits pass with evict_first."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
+    if k % 2 == 1:
+        tile = tl.num_programs(1) - 1 - tile
     tokens = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     is_row = rows < batch
     is_token = tokens < vocab_size
     inside = is_row[:, None] & is_token[None, :]
     row64 = rows.to(tl.int64)[:, None]
 
-    base = tl.load(logits_ptr + row64 * logits_row_stride + k * logits_pos_stride + tokens[None, :],
-                   mask=inside, other=0.0).to(tl.float32)
-    biased = tl.where(base != base, 0.0, base)  # NaN padding rows draw from the bias alone
-    if BIAS == 1:
-        biased += tl.load(bias_ptr + row64 * bias_row_stride + tokens[None, :], mask=inside,
-                          other=0.0).to(tl.float32)
+    biased = _position_logits(logits_ptr, bias_ptr, row64, tokens[None, :], inside, k, logits_row_stride,
+                              logits_pos_stride, bias_row_stride, BIAS == 1, "evict_first")
     if BIAS == 2:
-        product = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
-        for start in tl.static_range(0, RANK, BLOCK_R):
-            r = start + tl.arange(0, BLOCK_R)
-            v = tl.load(bias_ptr + row64 * bias_row_stride + r[None, :], mask=is_row[:, None] & (r < RANK)[None, :],
-                        other=0.0)
-            w2 = tl.load(w2_ptr + tokens.to(tl.int64)[None, :] * w2_row_stride + r[:, None],
-                         mask=(r < RANK)[:, None] & is_token[None, :], other=0.0)  # [BLOCK_R, BLOCK_V]
-            product = tl.dot(v, w2, product, input_precision="ieee")
-        biased += product
-    tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased,
-             mask=inside)
+        biased += tl.trans(_low_rank_product(bias_ptr, w2_ptr, rows, tokens, is_row, is_token, bias_row_stride,
+                                             w2_row_stride, RANK, BLOCK_R))
+    if WRITE:
+        tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased, mask=inside,
+                 eviction_policy="evict_first")
 
     temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
     inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(temperature == 0.0, 1.0, temperature))
-    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # the pick and proposal.py scale the same way
+    x = tl.where(inside, biased * inverse[:, None], float("-inf"))  # the pick scales the same way
     UNITS: tl.constexpr = BLOCK_V // UNIT
     x = tl.reshape(x, [BLOCK_B, UNITS, UNIT])
     m, index = tl.max(x, 2, return_indices=True, return_indices_tie_break_left=True)
@@ -139,27 +173,32 @@ def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit
 def launch_step(wrap, logits, bias, w2, temperature, k, biased, block_v, block_b, group_size, unit_max,
                 unit_sum, unit_index):
     """Runs the step kernel; `wrap` is torch.library.wrap_triton inside the ops (identity in
-    interpreter tests). bias: [B, V], or [B, r] with w2 [V, r], or None."""
+    interpreter tests). bias: [B, V], or [B, r] with w2 [V, r], or None; biased: [B, K, V] or None."""
     batch, positions, vocab = logits.shape
     rank = 0 if w2 is None else w2.shape[1]
     wrap(_step_kernel)[(triton.cdiv(batch, block_b), triton.cdiv(vocab, block_v))](
-        logits, logits if bias is None else bias, logits if w2 is None else w2, temperature, biased, unit_max,
-        unit_sum, unit_index, k, batch, vocab, positions, logits.stride(0), logits.stride(1),
-        0 if bias is None else bias.stride(0), 0 if w2 is None else w2.stride(0),
-        BIAS=0 if bias is None else 1 if w2 is None else 2, RANK=rank,
-        BLOCK_R=rank_chunk(rank), BLOCK_B=block_b, BLOCK_V=block_v, UNIT=unit_size(block_v, group_size),
-        num_warps=step_warps(block_v, block_b))
+        logits, logits if bias is None else bias, logits if w2 is None else w2, temperature,
+        unit_max if biased is None else biased, unit_max, unit_sum, unit_index, k, batch, vocab, positions,
+        logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
+        0 if w2 is None else w2.stride(0), BIAS=0 if bias is None else 1 if w2 is None else 2,
+        WRITE=biased is not None, RANK=rank, BLOCK_R=rank_chunk(rank), BLOCK_B=block_b, BLOCK_V=block_v,
+        UNIT=unit_size(block_v, group_size), num_warps=step_warps(block_v, block_b, w2 is not None))
 
 
-def step_warps(block_v: int, block_b: int) -> int:
-    """Warps per step program: 4 up to 4096 tokens per tile, else 8."""
-    return 4 if block_b * block_v <= 4096 else 8
+def step_warps(block_v: int, block_b: int, low_rank: bool) -> int:
+    """Warps per step program. Low-rank tiles: 4 up to 4096 tokens per tile, else 8. Others: one per
+    1,024 tokens (32 per thread; up to 8), where shuffles and reduction steps take fewer instructions
+    per token than with more threads (SASS for sm_90: 26 per token at 1024 x 1 with one warp, 28 at
+    2048 x 1 with 2 warps, 39 with 4)."""
+    if low_rank:
+        return 4 if block_b * block_v <= 4096 else 8
+    return min(8, max(1, block_b * block_v // 1024))
 
 
-def scaled(biased: Tensor, temperature: Tensor) -> Tensor:
-    """x = biased * (1 / T) as the kernels round it (greedy rows: T counts as 1); biased [B, ...]."""
+def scaled(x: Tensor, temperature: Tensor) -> Tensor:
+    """x * (1 / T) as the kernels round it (greedy rows: T counts as 1); x [B, ...]."""
     inverse = 1.0 / torch.where(temperature == 0, 1.0, temperature)
-    return biased * inverse.view(-1, *[1] * (biased.dim() - 1))
+    return x * inverse.view(-1, *[1] * (x.dim() - 1))
 
 
 def low_rank_bias(v: Tensor, w2: Tensor) -> Tensor:
@@ -170,18 +209,23 @@ def low_rank_bias(v: Tensor, w2: Tensor) -> Tensor:
     return (v @ w2.T).float()
 
 
-def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor,
+def position_logits(logits: Tensor, bias: Tensor | None, k: int) -> Tensor:
+    """Position k's logits [B, V] float32 as the kernels read them: NaN as 0, plus the bias."""
+    x = logits[:, k].float()
+    x = torch.where(x.isnan(), 0.0, x)
+    return x if bias is None else x + bias.float()
+
+
+def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int, biased: Tensor | None,
                block_v: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """The step in plain torch (the CPU implementation; the same function as the kernel), for a
-    bias [B, V] float32 or None."""
+    bias [B, V] or None."""
     batch, _, vocab = logits.shape
     unit = unit_size(block_v, group_size)
     units = triton.cdiv(vocab, unit)
-    base = logits[:, k].float()
-    row = torch.where(base.isnan(), 0.0, base)
-    if bias is not None:
-        row = row + bias
-    biased[:, k] = row
+    row = position_logits(logits, bias, k)
+    if biased is not None:
+        biased[:, k] = row
     x = F.pad(scaled(row, temperature), (0, units * unit - vocab), value=float("-inf")).view(batch, units, unit)
     m, index = x.max(-1)  # the first maximum: ties go to the smallest id
     p = torch.exp(x - torch.where(m == float("-inf"), 0.0, m)[..., None])
@@ -190,25 +234,28 @@ def step_torch(logits: Tensor, bias: Tensor | None, temperature: Tensor, k: int,
 
 @triton_op("dspark::gumbel_step", mutates_args=("biased",))
 def gumbel_step(logits: Tensor, bias: Tensor | None, w2: Tensor | None, temperature: Tensor, k: int,
-                biased: Tensor, block_v: int = STEP_TILES[0], block_b: int = STEP_TILES[1],
+                biased: Tensor | None, block_v: int = STEP_TILES[0], block_b: int = STEP_TILES[1],
                 group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
     """Step of draft position k: the pass over the vocabulary.
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias: the Markov bias [B, V] (any float
     dtype), or, with w2 [V, r] (the head's W2), its factor v [B, r] in w2's dtype (bias = v W2^T,
     computed in the step; block_b at least MIN_DOT), or None (no Markov head); temperature [B]
-    float32 (0 = greedy row).
-    Writes biased[:, k] = logits[:, k] + bias ([B, K, V] float32). block_v (a power of two) and
+    float32 (0 = greedy row). The position's logits are logits[:, k] (NaN as 0) + bias, in float32.
+    biased [B, K, V] float32 or None: if given, biased[:, k] = those logits (the pick then reads them
+    there: needed with w2, whose product the pick cannot recompute). block_v (a power of two) and
     block_b (a power of two) tile the vocabulary and the batch; group_size (a power of two) is the
     draw's group (module docstring).
     Returns per (row, unit of unit_size(block_v, group_size) tokens), each [B, U] with
-    U = num_units(V, block_v, group_size): the softmax statistics of x = biased / T, its max and sum
+    U = num_units(V, block_v, group_size): the softmax statistics of x = logits / T, its max and sum
     of exp(x - max) (float32), and the token id of its max (int64, the smallest on ties).
     """
     _check_step(logits, temperature, k, biased, block_v, block_b, group_size)
     _check_bias(logits, bias, w2, block_b)
+    if w2 is not None and biased is None:
+        raise ValueError("with w2 the step must write the biased logits: give biased")
     if logits.device.type == "cpu":
-        dense = None if bias is None else bias.float() if w2 is None else low_rank_bias(bias, w2)
+        dense = None if bias is None else bias if w2 is None else low_rank_bias(bias, w2)
         return step_torch(logits, dense, temperature, k, biased, block_v, group_size)
     shape = (logits.shape[0], num_units(logits.shape[-1], block_v, group_size))
     unit_max, unit_sum = (logits.new_empty(shape, dtype=torch.float32) for _ in range(2))
@@ -244,7 +291,8 @@ def _check_step(logits, temperature, k, biased, block_v, block_b, group_size):
     batch, positions, _ = logits.shape
     if not 0 <= k < positions:
         raise ValueError(f"draft position k={k} outside 0..{positions - 1}")
-    if biased.shape != logits.shape or biased.dtype != torch.float32 or not biased.is_contiguous():
+    if biased is not None and (biased.shape != logits.shape or biased.dtype != torch.float32
+                               or not biased.is_contiguous()):
         raise ValueError(f"biased must be contiguous float32 {tuple(logits.shape)}, "
                          f"got {biased.dtype} {tuple(biased.shape)}")
     if not all(map(_is_power_of_two, (block_v, block_b, group_size))) or group_size < 4:
@@ -256,13 +304,17 @@ def _check_step(logits, temperature, k, biased, block_v, block_b, group_size):
 # ---------------------------------------------------------------- pick
 
 @triton.jit
-def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, biased_ptr, temperature_ptr, seed_ptr,
-                 offset_ptr, table_ptr, tokens_ptr, stat_max_ptr, stat_sum_ptr, rows_ptr, k, group_stream,
-                 token_stream, num_positions, num_units, vocab_size, rank, table_stride, GATHER: tl.constexpr,
-                 BLOCK_G: tl.constexpr, UNITS_PER_GROUP: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
-    """One program per row: the units merged into groups [BLOCK_G, UNITS_PER_GROUP], the two races."""
+def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_ptr, temperature_ptr, seed_ptr,
+                 offset_ptr, table_ptr, slots_ptr, tokens_ptr, probs_ptr, rows_ptr, k, group_stream, token_stream,
+                 num_positions, num_units, vocab_size, rank, logits_row_stride, logits_pos_stride, bias_row_stride,
+                 table_stride, probs_slot_stride, probs_pos_stride, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+                 BLOCK_G: tl.constexpr, UNITS_PER_GROUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Programs per row: 0 runs the two races, writes the token and gathers its Markov row; c >= 1
+    writes the proposal of vocabulary chunk c - 1 (CHUNK tokens). Each merges the units into groups
+    [BLOCK_G, UNITS_PER_GROUP] and into the row's statistics."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     unit = tl.arange(0, BLOCK_G)[:, None] * UNITS_PER_GROUP + tl.arange(0, UNITS_PER_GROUP)[None, :]
     is_unit = unit < num_units
     m_unit = tl.load(unit_max_ptr + row * num_units + unit, mask=is_unit, other=float("-inf"))
@@ -271,58 +323,70 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, biased_ptr, tempera
     s_group = tl.sum(tl.where(m_unit == float("-inf"), 0.0, s_unit * tl.exp(m_unit - m_group[:, None])), 1)
     m_all = tl.max(m_group, 0)
     mass = tl.where(m_group == float("-inf"), 0.0, s_group * tl.exp(m_group - m_all))  # S_c / exp(m_all)
-    tl.store(stat_max_ptr + row * num_positions + k, m_all)
-    tl.store(stat_sum_ptr + row * num_positions + k, tl.sum(mass, 0))
-
     # greedy rows: the unit of the first maximum, its token
     first = tl.argmax(tl.reshape(m_unit, [BLOCK_G * UNITS_PER_GROUP]), 0, tie_break_left=True)
     greedy_token = tl.load(unit_index_ptr + row * num_units + first)
-
-    # the group race, then the token race inside the winning group
-    seed = tl.load(seed_ptr + row)
-    offset = tl.load(offset_ptr + row)
-    counters = tl.arange(0, BLOCK_G // 4)
-    group_noise = token_exponentials(seed, offset, counters, counters * 0 + group_stream)
-    group = tl.argmax(fast_divide(mass, group_noise), 0, tie_break_left=True).to(tl.int64)
-    tokens = group * GROUP + tl.arange(0, GROUP)
-    inside = tokens < vocab_size
-    biased = tl.load(biased_ptr + (row * num_positions + k) * vocab_size + tokens, mask=inside, other=0.0)
     temperature = tl.load(temperature_ptr + row)
     inverse = tl.div_rn(1.0, tl.where(temperature == 0.0, 1.0, temperature))
-    x = tl.where(inside, biased * inverse, float("-inf"))
-    p = fast_exp(x - tl.max(x, 0))
-    counters = group * (GROUP // 4) + tl.arange(0, GROUP // 4)
-    token_noise = token_exponentials(seed, offset, counters, counters * 0 + token_stream)
-    drawn = group * GROUP + tl.argmax(fast_divide(p, token_noise), 0, tie_break_left=True)
-    token = tl.where(temperature == 0.0, greedy_token, drawn)
-    tl.store(tokens_ptr + row * num_positions + k, token)
-    if GATHER:
-        cols = tl.arange(0, BLOCK_R)
-        values = tl.load(table_ptr + token * table_stride + cols, mask=cols < rank)
-        tl.store(rows_ptr + row * rank + cols, values, mask=cols < rank)
+
+    if chunk == 0:  # the group race, then the token race inside the winning group
+        seed = tl.load(seed_ptr + row)
+        offset = tl.load(offset_ptr + row)
+        counters = tl.arange(0, BLOCK_G // 4)
+        group_noise = token_exponentials(seed, offset, counters, counters * 0 + group_stream)
+        group = tl.argmax(fast_divide(mass, group_noise), 0, tie_break_left=True).to(tl.int64)
+        tokens = group * GROUP + tl.arange(0, GROUP)
+        inside = tokens < vocab_size
+        x = _position_logits(logits_ptr, bias_ptr, row, tokens, inside, k, logits_row_stride, logits_pos_stride,
+                             bias_row_stride, HAS_BIAS, "") * inverse
+        x = tl.where(inside, x, float("-inf"))
+        p = fast_exp(x - tl.max(x, 0))
+        counters = group * (GROUP // 4) + tl.arange(0, GROUP // 4)
+        token_noise = token_exponentials(seed, offset, counters, counters * 0 + token_stream)
+        drawn = group * GROUP + tl.argmax(fast_divide(p, token_noise), 0, tie_break_left=True)
+        token = tl.where(temperature == 0.0, greedy_token, drawn)
+        tl.store(tokens_ptr + row * num_positions + k, token)
+        if GATHER:
+            cols = tl.arange(0, BLOCK_R)
+            values = tl.load(table_ptr + token * table_stride + cols, mask=cols < rank)
+            tl.store(rows_ptr + row * rank + cols, values, mask=cols < rank)
+    else:  # chunk c's proposal: softmax(x) = exp(x - m_all) / sum(mass); one-hot for greedy rows
+        ids = (chunk - 1) * CHUNK + tl.arange(0, CHUNK)
+        in_vocab = ids < vocab_size
+        y = _position_logits(logits_ptr, bias_ptr, row, ids, in_vocab, k, logits_row_stride, logits_pos_stride,
+                             bias_row_stride, HAS_BIAS, "evict_first") * inverse
+        q = tl.exp(y - m_all) * (1.0 / tl.sum(mass, 0))
+        q = tl.where(temperature == 0.0, (ids == greedy_token).to(tl.float32), q)
+        slot = tl.load(slots_ptr + row)
+        tl.store(probs_ptr + slot * probs_slot_stride + k * probs_pos_stride + ids, q, mask=in_vocab)
 
 
-def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, k,
-                       block_v, group_size, tokens, stat_max, stat_sum, rows):
+def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, logits, bias, temperature, seed, offset, table, k,
+                       block_v, group_size, tokens, slots, draft_probs, rows, chunk=PROPOSAL_CHUNK, warps=8):
+    """Runs the pick kernel (`wrap` as launch_step's): per row a race program and a proposal program
+    per `chunk` tokens (a power of two), `warps` each."""
     batch, units = unit_max.shape
+    vocab = logits.shape[-1]
     rank = rows.shape[-1]
     units_per_group = group_size // unit_size(block_v, group_size)
     groups = triton.cdiv(units, units_per_group)
-    wrap(_pick_kernel)[(batch,)](
-        unit_max, unit_sum, unit_index, biased, temperature, seed, offset,
-        unit_max if table is None else table, tokens, stat_max, stat_sum, rows, k, STREAM_DRAFT_GROUP + k,
-        STREAM_DRAFT + k, tokens.shape[1], units, biased.shape[-1], rank, 0 if table is None else table.stride(0),
-        GATHER=table is not None, BLOCK_G=max(4, triton.next_power_of_2(groups)), UNITS_PER_GROUP=units_per_group,
-        GROUP=group_size, BLOCK_R=triton.next_power_of_2(max(rank, 1)))
+    wrap(_pick_kernel)[(batch, 1 + triton.cdiv(vocab, chunk))](
+        unit_max, unit_sum, unit_index, logits, logits if bias is None else bias, temperature, seed, offset,
+        unit_max if table is None else table, slots, tokens, draft_probs, rows, k, STREAM_DRAFT_GROUP + k,
+        STREAM_DRAFT + k, tokens.shape[1], units, vocab, rank, logits.stride(0), logits.stride(1),
+        0 if bias is None else bias.stride(0), 0 if table is None else table.stride(0), draft_probs.stride(0),
+        draft_probs.stride(1), HAS_BIAS=bias is not None, GATHER=table is not None,
+        BLOCK_G=max(4, triton.next_power_of_2(groups)), UNITS_PER_GROUP=units_per_group, GROUP=group_size,
+        BLOCK_R=triton.next_power_of_2(max(rank, 1)), CHUNK=chunk, num_warps=warps)
 
 
-def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, biased: Tensor,
-                      temperature: Tensor, seed: Tensor, offset: Tensor, table: Tensor | None, k: int,
-                      block_v: int, group_size: int, tokens: Tensor, stat_max: Tensor,
-                      stat_sum: Tensor) -> Tensor:
+def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, logits: Tensor,
+                      bias: Tensor | None, temperature: Tensor, seed: Tensor, offset: Tensor,
+                      table: Tensor | None, k: int, block_v: int, group_size: int, tokens: Tensor,
+                      slots: Tensor, draft_probs: Tensor) -> Tensor:
     """The pick op in plain torch (the CPU implementation)."""
     batch, units = unit_max.shape
-    vocab = biased.shape[-1]
+    vocab = logits.shape[-1]
     per_group = group_size // unit_size(block_v, group_size)
     groups = triton.cdiv(units, per_group)
     pad = groups * per_group - units
@@ -332,16 +396,19 @@ def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, bi
     s_group = torch.where(m_unit == float("-inf"), 0.0, s_unit * torch.exp(m_unit - m_group[..., None])).sum(-1)
     m_all = m_group.amax(-1, keepdim=True)
     mass = torch.where(m_group == float("-inf"), 0.0, s_group * torch.exp(m_group - m_all))
-    stat_max[:, k] = m_all.squeeze(1)
-    stat_sum[:, k] = mass.sum(-1)
-
     greedy_token = unit_index.gather(1, unit_max.argmax(1, keepdim=True)).squeeze(1)  # first maximum
+    x = scaled(position_logits(logits, bias, k), temperature)  # [B, V]
+
+    greedy = (temperature == 0)[:, None]
+    q = torch.exp(x - m_all) * (1.0 / mass.sum(-1, keepdim=True))
+    q = torch.where(greedy, (torch.arange(vocab, device=x.device) == greedy_token[:, None]).float(), q)
+    draft_probs[slots, k] = q
+
     seed, offset = seed[:, None], offset[:, None]
     group_noise = token_exponentials_torch(seed, offset, groups, STREAM_DRAFT_GROUP + k)
     group = (mass / group_noise).argmax(1, keepdim=True)  # [B, 1]
-    ids = group * group_size + torch.arange(group_size, device=biased.device)
-    inside = ids < vocab
-    x = torch.where(inside, scaled(biased[:, k].gather(1, ids.clamp_max(vocab - 1)), temperature), float("-inf"))
+    ids = group * group_size + torch.arange(group_size, device=x.device)
+    x = torch.where(ids < vocab, x.gather(1, ids.clamp_max(vocab - 1)), float("-inf"))
     p = torch.exp(x - x.amax(-1, keepdim=True))
     token_noise = token_exponentials_torch(seed, offset, group_size, STREAM_DRAFT + k, first=group * group_size)
     drawn = group.squeeze(1) * group_size + (p / token_noise).argmax(1)
@@ -350,43 +417,53 @@ def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, bi
     return unit_max.new_empty((batch, 0)) if table is None else table[token]
 
 
-@triton_op("dspark::gumbel_pick", mutates_args=("tokens", "stat_max", "stat_sum"))
-def gumbel_pick(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, biased: Tensor, temperature: Tensor,
-                seed: Tensor, offset: Tensor, table: Tensor | None, k: int, tokens: Tensor, stat_max: Tensor,
-                stat_sum: Tensor, block_v: int = STEP_TILES[0], group_size: int = GROUP_SIZE) -> Tensor:
+@triton_op("dspark::gumbel_pick", mutates_args=("tokens", "draft_probs"))
+def gumbel_pick(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, logits: Tensor, bias: Tensor | None,
+                temperature: Tensor, seed: Tensor, offset: Tensor, table: Tensor | None, k: int, tokens: Tensor,
+                slots: Tensor, draft_probs: Tensor, block_v: int = STEP_TILES[0],
+                group_size: int = GROUP_SIZE) -> Tensor:
     """Draws position k from a step's outputs (unit_max, unit_sum, unit_index [B, U], the step's
-    block_v and group_size) and the biased logits it wrote (biased [B, K, V] float32): the two races
-    of the module docstring for rows with T > 0, the argmax for greedy rows (temperature [B] float32;
-    seed, offset [B] int64). Writes the token to tokens[:, k] ([B, K] int64) and the merged softmax
-    statistics of the position, max M and sum of exp(x - M), to stat_max[:, k] and stat_sum[:, k]
-    ([B, K] float32). Returns the token's row of the Markov embedding table ([V, r], any dtype) for
-    the next position: [B, r] in the table's dtype ([B, 0] float32 when table is None)."""
+    block_v and group_size) and writes its proposal. The position's logits are read as the step
+    read them: logits[:, k] (NaN as 0) + bias, logits [B, K, V] (the step's input, or the biased
+    logits it wrote) and bias [B, V] or None; x = those / T.
+    The two races of the module docstring for rows with T > 0 (temperature [B] float32; seed,
+    offset [B] int64), the argmax for greedy rows, write the token to tokens[:, k] ([B, K] int64);
+    draft_probs[slots[b], k] = softmax(x[b]) (one-hot at the token for greedy rows; draft_probs
+    [S, K, V] float32, slots [B] int64, distinct; other slots are left as they are). Returns the
+    token's row of the Markov embedding table ([V, r], any dtype) for the next position: [B, r] in
+    the table's dtype ([B, 0] float32 when table is None)."""
     if unit_max.dim() != 2 or unit_index.dtype != torch.int64 or any(
             t.shape != unit_max.shape or not t.is_contiguous() for t in (unit_max, unit_sum, unit_index)):
         raise ValueError(f"unit_max, unit_sum, unit_index (int64) must be contiguous [B, U], got "
                          f"{[tuple(t.shape) for t in (unit_max, unit_sum, unit_index)]}")
     batch = unit_max.shape[0]
-    if tokens.dim() != 2 or tokens.shape[0] != batch or tokens.dtype != torch.int64 or any(
-            t.shape != tokens.shape or not t.is_contiguous() for t in (tokens, stat_max, stat_sum)):
-        raise ValueError(f"tokens (int64), stat_max, stat_sum must be contiguous [{batch}, K]")
-    if not 0 <= k < tokens.shape[1]:
-        raise ValueError(f"draft position k={k} outside 0..{tokens.shape[1] - 1}")
-    if biased.shape[:2] != tokens.shape or biased.dtype != torch.float32 or not biased.is_contiguous():
-        raise ValueError(f"biased must be contiguous float32 [{batch}, {tokens.shape[1]}, V], got "
-                         f"{biased.dtype} {tuple(biased.shape)}")
+    if logits.dim() != 3 or logits.shape[0] != batch or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [{batch}, K, V] with contiguous rows, got {tuple(logits.shape)}")
+    _, positions, vocab = logits.shape
+    if bias is not None and (bias.shape != (batch, vocab) or bias.stride(-1) != 1):
+        raise ValueError(f"bias must be [{batch}, {vocab}] with contiguous rows, got {tuple(bias.shape)}")
+    if tokens.shape != (batch, positions) or tokens.dtype != torch.int64 or not tokens.is_contiguous():
+        raise ValueError(f"tokens must be contiguous [{batch}, {positions}] int64, got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")
+    if not 0 <= k < positions:
+        raise ValueError(f"draft position k={k} outside 0..{positions - 1}")
+    if (draft_probs.dim() != 3 or draft_probs.shape[1:] != (positions, vocab)
+            or draft_probs.dtype != torch.float32 or draft_probs.stride(-1) != 1):
+        raise ValueError(f"draft_probs must be float32 [S, {positions}, {vocab}], got "
+                         f"{draft_probs.dtype} {tuple(draft_probs.shape)}")
     if not (_is_power_of_two(block_v) and _is_power_of_two(group_size) and group_size >= 4) or \
-            unit_max.shape[1] != num_units(biased.shape[-1], block_v, group_size):
+            unit_max.shape[1] != num_units(vocab, block_v, group_size):
         raise ValueError(f"the step's outputs [B, {unit_max.shape[1]}] do not fit block_v={block_v}, "
-                         f"group_size={group_size} and V={biased.shape[-1]}")
+                         f"group_size={group_size} and V={vocab}")
     if table is not None and (table.dim() != 2 or table.stride(1) != 1):
         raise ValueError(f"table must be [V, r] with contiguous rows, got {tuple(table.shape)}")
     check_rows(batch, temperature=(temperature, torch.float32), seed=(seed, torch.int64),
-               offset=(offset, torch.int64))
+               offset=(offset, torch.int64), slots=(slots, torch.int64))
     if unit_max.device.type == "cpu":
-        return gumbel_pick_torch(unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, k,
-                                 block_v, group_size, tokens, stat_max, stat_sum)
+        return gumbel_pick_torch(unit_max, unit_sum, unit_index, logits, bias, temperature, seed, offset, table, k,
+                                 block_v, group_size, tokens, slots, draft_probs)
     rows = (unit_max.new_empty((batch, 0)) if table is None
             else table.new_empty((batch, table.shape[1])))
-    launch_gumbel_pick(wrap_triton, unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table,
-                       k, block_v, group_size, tokens, stat_max, stat_sum, rows)
+    launch_gumbel_pick(wrap_triton, unit_max, unit_sum, unit_index, logits, bias, temperature, seed, offset, table,
+                       k, block_v, group_size, tokens, slots, draft_probs, rows)
     return rows

@@ -1,4 +1,4 @@
-"""The drafting kernels (step, pick, proposal) under the Triton interpreter against the plain-torch
+"""The drafting kernels (step, pick) under the Triton interpreter against the plain-torch
 implementations: biased logits, tile maxima, winners' token ids and gathered rows exactly; sums and
 proposals to float32 rounding (numpy's exp/log may differ from torch's by an ulp).
 
@@ -12,7 +12,6 @@ import torch
 
 from dspark.ops.gumbel_max import (gumbel_pick_torch, launch_gumbel_pick, launch_step, low_rank_bias, num_units,
                                    step_torch)
-from dspark.ops.proposal import launch_write_proposals, write_proposals_torch
 
 K, V, R = 2, 300, 24
 
@@ -52,15 +51,17 @@ def factors(batch, dtype, rank=24, seed=0):
     return v.to(dtype), (torch.randint(-4, 5, (V, rank), generator=g) / 8).to(dtype)
 
 
-def kernel_steps(logits, bias, temperature, block_v, block_b, group_size, w2=None):
-    """All K steps of the kernel into fresh buffers -> biased, [(unit_max, unit_sum, unit_index)]."""
+def kernel_steps(logits, bias, temperature, block_v, block_b, group_size, w2=None, write=True):
+    """All K steps of the kernel into fresh buffers -> biased (-1 where not written),
+    [(unit_max, unit_sum, unit_index)]."""
     batch = logits.shape[0]
     biased = torch.full((batch, K, V), -1.0)
     outputs = []
     for k in range(K):
         shape = (batch, num_units(V, block_v, group_size))
         out = (torch.full(shape, -1.0), torch.full(shape, -1.0), torch.full(shape, -1, dtype=torch.int64))
-        launch_step(run_kernel, logits, bias, w2, temperature, k, biased, block_v, block_b, group_size, *out)
+        launch_step(run_kernel, logits, bias, w2, temperature, k, biased if write else None, block_v, block_b,
+                    group_size, *out)
         outputs.append(out)
     return biased, outputs
 
@@ -112,60 +113,57 @@ def test_step_kernel_matches_torch(dtype, tiles, batch, bias_kind):
     if batch > 2:  # the padding row: the bias alone
         want = torch.zeros(V) if bias is None else dense[2].float()
         assert torch.equal(got[0][2], want.expand(K, V))
+    if w2 is None:  # without the biased logits written: the same statistics
+        unwritten = kernel_steps(logits, bias, temperature, *tiles, write=False)
+        assert (unwritten[0] == -1).all()
+        assert_steps_equal((got[0], unwritten[1]), got)
     if batch > 1:
-        tokens, stat_max, stat_sum = pick_buffers(batch)
-        gumbel_pick_torch(*got[1][0], got[0], temperature, seed, offset, None, 0, block_v, group_size, tokens,
-                          stat_max, stat_sum)
+        tokens, slots, probs = pick_buffers(batch)
+        gumbel_pick_torch(*got[1][0], got[0], None, temperature, seed, offset, None, 0, block_v, group_size, tokens,
+                          slots, probs)
         assert tokens[1, 0] == 7  # the greedy row's tie: the smaller id
 
 
 def pick_buffers(batch):
-    return (torch.full((batch, K), -1, dtype=torch.int64), torch.full((batch, K), -1.0),
-            torch.full((batch, K), -1.0))
+    """tokens [B, K], slots [B] (distinct, two slots of no row), draft_probs [B + 2, K, V]."""
+    return (torch.full((batch, K), -1, dtype=torch.int64), torch.randperm(batch + 2)[:batch],
+            torch.full((batch + 2, K, V), -1.0))
 
 
+@pytest.mark.parametrize("source", ["logits+bias", "biased"])
 @pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, None])
-@pytest.mark.parametrize("tiles", [(16, 64), (64, 32), (512, 512)], ids=["4units-per-group", "tile-of-2-groups",
-                                                                         "1group"])
-def test_pick_kernel_matches_torch(tiles, table_dtype):
+@pytest.mark.parametrize("tiles", [(16, 64, 4096), (64, 32, 64), (512, 512, 128)],
+                         ids=["4units-per-group", "tile-of-2-groups-5chunks", "1group-3chunks"])
+def test_pick_kernel_matches_torch(tiles, table_dtype, source):
     """Rows 0, 3: sampled; row 1: greedy with a tie between units (the first unit wins); row 2:
-    sampled with units without mass."""
-    block_v, group_size = tiles
-    logits, bias, temperature, seed, offset = inputs(4, torch.float32, seed=1)
+    sampled with units without mass. The position's logits as the base logits (bfloat16, a NaN row)
+    plus a bfloat16 bias, or as biased logits the step wrote (float32)."""
+    block_v, group_size, chunk = tiles
+    logits, bias, temperature, seed, offset = inputs(4, torch.bfloat16, seed=1)
     temperature[1] = 0
     logits[1, 1, [7, 290]] = 50.0
+    logits[2] = float("nan")
+    bias = bias.bfloat16()
     biased, steps = torch_steps(logits, bias, temperature, block_v, group_size)
     unit_max, unit_sum, unit_index = steps[1]
     if unit_max.shape[1] > 4:
         unit_max[2, [0, 4]] = float("-inf")  # units without mass
         unit_sum[2, [0, 4]] = 0.0
+    given, added = (logits, bias) if source == "logits+bias" else (biased, None)
     table = None if table_dtype is None else torch.randn(V, R).to(table_dtype)
     got, want = pick_buffers(4), pick_buffers(4)
+    want[1].copy_(got[1])
     rows = torch.empty(4, 0) if table is None else torch.empty(4, R, dtype=table_dtype)
-    args = (unit_max, unit_sum, unit_index, biased, temperature, seed, offset, table, 1, block_v, group_size)
-    launch_gumbel_pick(run_kernel, *args, *got, rows)
+    args = (unit_max, unit_sum, unit_index, given, added, temperature, seed, offset, table, 1, block_v, group_size)
+    launch_gumbel_pick(run_kernel, *args, *got, rows, chunk=chunk)
     want_rows = gumbel_pick_torch(*args, *want)
     assert torch.equal(got[0], want[0]) and got[0][1, 1] == 7
-    assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=0)
-    assert (got[0][:, 0] == -1).all() and (got[1][:, 0] == -1).all()  # other positions untouched
+    assert (got[0][:, 0] == -1).all()  # other positions untouched
     assert torch.equal(rows, want_rows)
-
-
-@pytest.mark.parametrize("block_v", [512, 64], ids=["1tile", "5tiles"])
-def test_proposal_kernel_matches_torch(block_v):
-    logits, bias, temperature, seed, offset = inputs(4, torch.bfloat16)
-    biased, steps = torch_steps(logits, bias, temperature, block_v, 64)
-    tokens, stat_max, stat_sum = pick_buffers(4)
-    for k, units in enumerate(steps):
-        gumbel_pick_torch(*units, biased, temperature, seed, offset, None, k, block_v, 64, tokens, stat_max,
-                          stat_sum)
-    slots = torch.tensor([4, 0, 2, 1])
-    probs = [torch.full((6, K, V), -1.0) for _ in range(2)]
-    launch_write_proposals(run_kernel, biased, stat_max, stat_sum, temperature, tokens, slots,
-                           probs[0])
-    write_proposals_torch(biased, stat_max, stat_sum, temperature, tokens, slots, probs[1])
-    torch.testing.assert_close(probs[0], probs[1], rtol=1e-5, atol=1e-7)
-    assert (probs[0][[3, 5]] == -1).all()  # slots of no row are left alone
-    assert torch.equal(probs[0][0], torch.nn.functional.one_hot(tokens[1], V).float())
-    torch.testing.assert_close(probs[0][slots].sum(-1), torch.ones(4, K))
+    probs, want_probs = got[2], want[2]
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+    assert (probs[:, 0] == -1).all()  # other positions
+    assert (probs[[s for s in range(6) if s not in got[1].tolist()]] == -1).all()  # slots of no row
+    assert torch.equal(probs[got[1][1], 1], torch.nn.functional.one_hot(got[0][1, 1], V).float())
+    full = got[1][[0, 1, 3]]  # row 2's statistics lost two units' mass
+    torch.testing.assert_close(probs[full, 1].sum(-1), torch.ones(3))
