@@ -362,9 +362,9 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
 
 
 def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, logits, bias, temperature, seed, offset, table, k,
-                       block_v, group_size, tokens, slots, draft_probs, rows, chunk=PROPOSAL_CHUNK, warps=8):
+                       block_v, group_size, tokens, slots, draft_probs, rows, chunk=PROPOSAL_CHUNK):
     """Runs the pick kernel (`wrap` as launch_step's): per row a race program and a proposal program
-    per `chunk` tokens (a power of two), `warps` each."""
+    per `chunk` tokens (a power of two)."""
     batch, units = unit_max.shape
     vocab = logits.shape[-1]
     rank = rows.shape[-1]
@@ -377,7 +377,7 @@ def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, logits, bias, tempe
         0 if bias is None else bias.stride(0), 0 if table is None else table.stride(0), draft_probs.stride(0),
         draft_probs.stride(1), HAS_BIAS=bias is not None, GATHER=table is not None,
         BLOCK_G=max(4, triton.next_power_of_2(groups)), UNITS_PER_GROUP=units_per_group, GROUP=group_size,
-        BLOCK_R=triton.next_power_of_2(max(rank, 1)), CHUNK=chunk, num_warps=warps)
+        BLOCK_R=triton.next_power_of_2(max(rank, 1)), CHUNK=chunk, num_warps=8)
 
 
 def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, logits: Tensor,
