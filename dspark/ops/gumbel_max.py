@@ -134,7 +134,7 @@ def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit
     """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 dense [B, V], 2 the factor [B, r]
     times W2 [V, r] transposed (tl.dot, float32 accumulation). WRITE: store the biased logits.
     Odd positions take the vocabulary tiles in reverse launch order: a position starts on the tiles
-    (of W2) the position before read last, which are still in L2; the logits pass with evict_first."""
+    (of W2) the position before read last, which are still in L2."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     tile = tl.program_id(1)
     if k % 2 == 1:
@@ -146,13 +146,12 @@ def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit
     row64 = rows.to(tl.int64)[:, None]
 
     biased = _position_logits(logits_ptr, bias_ptr, row64, tokens[None, :], inside, k, logits_row_stride,
-                              logits_pos_stride, bias_row_stride, BIAS == 1, "evict_first")
+                              logits_pos_stride, bias_row_stride, BIAS == 1, "")
     if BIAS == 2:
         biased += tl.trans(_low_rank_product(bias_ptr, w2_ptr, rows, tokens, is_row, is_token, bias_row_stride,
                                              w2_row_stride, RANK, BLOCK_R))
     if WRITE:
-        tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased, mask=inside,
-                 eviction_policy="evict_first")
+        tl.store(biased_ptr + (row64 * num_positions + k) * vocab_size + tokens[None, :], biased, mask=inside)
 
     temperature = tl.load(temperature_ptr + rows, mask=is_row, other=1.0)
     inverse = tl.div_rn(tl.full([BLOCK_B], 1.0, tl.float32), tl.where(temperature == 0.0, 1.0, temperature))
@@ -358,7 +357,8 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
         q = tl.exp(y - m_all) * (1.0 / tl.sum(mass, 0))
         q = tl.where(temperature == 0.0, (ids == greedy_token).to(tl.float32), q)
         slot = tl.load(slots_ptr + row)
-        tl.store(probs_ptr + slot * probs_slot_stride + k * probs_pos_stride + ids, q, mask=in_vocab)
+        tl.store(probs_ptr + slot * probs_slot_stride + k * probs_pos_stride + ids, q, mask=in_vocab,
+                 eviction_policy="evict_first")
 
 
 def launch_gumbel_pick(wrap, unit_max, unit_sum, unit_index, logits, bias, temperature, seed, offset, table, k,
