@@ -22,15 +22,16 @@ GEMM through the head before the step: the seed's design), or as its rank-r fact
 the head's W2 [V, r]: then the step computes v W2^T itself on tensor cores, a tile of W2 against all
 the rows of its row tile, so W2 is streamed once per position and the bias is never written out
 (drafting does so for small batches: bias_in_step); that step writes the biased logits in float32,
-because nothing else could recompute its product bit for bit. The pick op (one launch per position,
-a program per row and chunk of PROPOSAL_CHUNK tokens) merges the units into groups and into the
-row's statistics, writes the position's proposal softmax(x) into `draft_probs` (reading the logits
-again: the base logits and the bias, or the biased logits the step wrote, with the same rounding),
-and in the program of chunk 0 runs the two races (the winning group's logits read a third time),
-writes the token and gathers the next Markov embedding. So the seed's float32 biased logits, written
-by the step and read back by a proposal pass after the block, are neither written nor read when the
-bias is given: per token and position the step reads the base logits and the bias, the pick reads
-them again and writes the proposal.
+because nothing else could recompute its product bit for bit. The pick op (one launch per position;
+per row a race program and a program per chunk of PROPOSAL_CHUNK tokens, each merging the units
+into groups and into the row's statistics) runs the two races (the winning group's logits read
+again), writes the token and gathers the next Markov embedding, and writes the position's proposal
+softmax(x) into `draft_probs`, reading the logits as the step did: the base logits and the bias, or
+the biased logits the step wrote, with the same rounding. So the seed's float32 biased logits,
+written by the step and read back by a proposal pass after the block, are neither written nor read
+when the bias is given: per token and position the step reads the base logits and the bias, the
+pick reads them again (mostly from L2, where the step left them) and writes the proposal (marked
+evict_first: the verification reads it only after the target's forward).
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
@@ -52,9 +53,7 @@ from dspark.ops.philox import (STREAM_DRAFT, STREAM_DRAFT_GROUP, token_exponenti
 GROUP_SIZE = 1024  # tokens per group of the two-level race (part of the draw's definition)
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
 MIN_DOT = 16  # tensor-core tiles: the low-rank step's row tile and rank chunk are at least this
-PROPOSAL_CHUNK = 4096  # vocabulary tokens per pick program (each writes their proposal)
-
-
+PROPOSAL_CHUNK = 4096  # vocabulary tokens per proposal program of the pick
 BIAS_IN_STEP_MAX_ROWS = 8  # the largest batch whose step computes the Markov bias itself
 
 
