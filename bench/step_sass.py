@@ -22,9 +22,8 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from dspark.ops.aot import compile_kernel
 from dspark.ops.gumbel_max import (GROUP_SIZE, MIN_DOT, STEP_TILES, _step_kernel, rank_chunk, step_tiles,
                                    step_warps, unit_size)
 from drafting import tile_pair
@@ -38,16 +37,11 @@ ALIGNED = ("vocab_size", "logits_row_stride", "logits_pos_stride", "bias_row_str
 
 def sass(block_v: int, block_b: int) -> tuple[str, dict]:
     """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
-    names = _step_kernel.arg_names
     low_rank = block_b >= MIN_DOT
     constexprs = {"BIAS": 2 if low_rank else 1, "WRITE": low_rank, "RANK": RANK if low_rank else 0,
                   "BLOCK_R": rank_chunk(RANK), "BLOCK_B": block_b, "BLOCK_V": block_v,
                   "UNIT": unit_size(block_v, GROUP_SIZE)}
-    signature = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in ALIGNED}
-    kernel = triton.compile(ASTSource(_step_kernel, signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": step_warps(block_v, block_b, low_rank)})
+    kernel = compile_kernel(_step_kernel, TYPES, constexprs, step_warps(block_v, block_b, low_rank), ALIGNED)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "step.cubin")

@@ -1,0 +1,42 @@
+"""The drafting kernels compile for the H200 (sm_90) as the ops launch them there, on the CPU: the
+launchers run with a LaunchRecorder and meta tensors at the benchmark's shapes (V = 200064, rank
+256, K = 7) and every recorded launch is compiled. The interpreter tests run the kernels' logic but
+not the compiler (a branch that retyped a variable ran under the interpreter and failed to compile
+on the H200)."""
+import pytest
+import torch
+
+from dspark.ops.aot import LaunchRecorder
+from dspark.ops.gumbel_max import (GROUP_SIZE, launch_gumbel_pick, launch_step, num_units, step_tiles)
+
+V, R, K = 200064, 256, 7
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("batch", [1, 8, 88])
+@pytest.mark.parametrize("bias_kind", ["none", "dense", "low-rank"])
+def test_drafting_kernels_compile_for_sm90(batch, bias_kind):
+    """The step and the pick of one position, as ancestral_draft launches them for this bias."""
+    low_rank = bias_kind == "low-rank"
+    block_v, block_b = step_tiles(batch, low_rank)
+    logits = meta(batch, K, V, dtype=torch.bfloat16)
+    bias = {"none": None, "dense": meta(batch, V, dtype=torch.bfloat16),
+            "low-rank": meta(batch, R, dtype=torch.bfloat16)}[bias_kind]
+    w2 = meta(V, R, dtype=torch.bfloat16) if low_rank else None
+    biased = meta(batch, K, V) if low_rank else None
+    units = [meta(batch, num_units(V, block_v, GROUP_SIZE)) for _ in range(2)]
+    units.append(meta(batch, num_units(V, block_v, GROUP_SIZE), dtype=torch.int64))
+    rows = [meta(batch, dtype=torch.float32)] + [meta(batch, dtype=torch.int64) for _ in range(3)]
+    temperature, seed, offset, slots = rows
+    table = meta(V, R, dtype=torch.bfloat16)
+    recorder = LaunchRecorder()
+    launch_step(recorder, logits, bias, w2, temperature, 3, biased, block_v, block_b, GROUP_SIZE, *units)
+    source, added = (biased, None) if low_rank else (logits, bias)
+    launch_gumbel_pick(recorder, *units, source, added, temperature, seed, offset, table, 3, block_v, GROUP_SIZE,
+                       meta(batch, K, dtype=torch.int64), slots, meta(batch + 1, K, V),
+                       meta(batch, R, dtype=torch.bfloat16))
+    compiled = recorder.compile_all()
+    assert len(compiled) == 2 and all(kernel.asm["cubin"] for kernel in compiled)
