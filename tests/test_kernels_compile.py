@@ -1,13 +1,15 @@
-"""The drafting kernels compile for the H200 (sm_90) as the ops launch them there, on the CPU: the
-launchers run with a LaunchRecorder and meta tensors at the benchmark's shapes (V = 200064, rank
-256, K = 7) and every recorded launch is compiled. The interpreter tests run the kernels' logic but
-not the compiler (a branch that retyped a variable ran under the interpreter and failed to compile
-on the H200)."""
+"""The ops' kernels (drafting, verification, LSE merge) compile for the H200 (sm_90) as the ops
+launch them there, on the CPU: the launchers run with a LaunchRecorder and meta tensors at the
+benchmarks' shapes (V = 200064, rank 256, K = 7) and every recorded launch is compiled. The
+interpreter tests run the kernels' logic but not the compiler (a branch that retyped a variable ran
+under the interpreter and failed to compile on the H200)."""
 import pytest
 import torch
 
 from dspark.ops.aot import LaunchRecorder
-from dspark.ops.gumbel_max import (GROUP_SIZE, launch_gumbel_pick, launch_step, num_units, step_tiles)
+from dspark.ops.gumbel_max import GROUP_SIZE, launch_gumbel_pick, launch_step, num_units, step_tiles
+from dspark.ops.lse_merge import launch_lse_merge
+from dspark.ops.verify import launch_verify
 
 V, R, K = 200064, 256, 7
 
@@ -40,3 +42,25 @@ def test_drafting_kernels_compile_for_sm90(batch, bias_kind):
                        meta(batch, R, dtype=torch.bfloat16))
     compiled = recorder.compile_all()
     assert len(compiled) == 2 and all(kernel.asm["cubin"] for kernel in compiled)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["standard", "block"])
+def test_verification_kernels_compile_for_sm90(block):
+    """Every kernel of one verification, the drafts a view of the decoder's token block."""
+    batch = 8
+    recorder = LaunchRecorder()
+    ids = [meta(batch, dtype=torch.int64) for _ in range(3)]
+    drafts = meta(batch, K + 1, dtype=torch.int64)[:, 1:]
+    launch_verify(recorder, meta(batch, K + 1, V, dtype=torch.bfloat16), drafts, meta(batch, K, V), ids[0],
+                  meta(batch), ids[1], ids[2], block)
+    compiled = recorder.compile_all()
+    assert len(compiled) == len(recorder.launches) >= 4 and all(kernel.asm["cubin"] for kernel in compiled)
+
+
+def test_lse_merge_kernel_compiles_for_sm90():
+    """The default drafter's attention shapes: 9 heads of 64, bfloat16 outputs."""
+    n, heads, dim = 64, 9, 64
+    recorder = LaunchRecorder()
+    o1, o2, o = (meta(n, heads, dim, dtype=torch.bfloat16) for _ in range(3))
+    launch_lse_merge(recorder, o1, meta(n, heads), o2, meta(n, heads), o, meta(n, heads))
+    assert all(kernel.asm["cubin"] for kernel in recorder.compile_all())

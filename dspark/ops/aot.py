@@ -28,6 +28,15 @@ def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: i
                           options={"num_warps": num_warps})
 
 
+def scalar_or_pointer_type(arg) -> str:
+    """The Triton type a launch gives `arg`: a tensor's pointer type, fp32 for a float, i32 or i64."""
+    if isinstance(arg, torch.Tensor):
+        return POINTER_TYPES[arg.dtype]
+    if isinstance(arg, float):
+        return "fp32"
+    return "i32" if -2**31 <= arg < 2**31 else "i64"
+
+
 class LaunchRecorder:
     """A `wrap` for the ops' launchers (`launch_step(wrap, ...)`): `wrap(kernel)[grid](*args, **kw)`
     records the launch instead of running it; `compile_all()` compiles every recorded launch for the
@@ -50,8 +59,7 @@ class LaunchRecorder:
         compiled = []
         for kernel, args, constexprs, num_warps in self.launches:
             names = [n for n in kernel.arg_names if n not in constexprs]
-            types = {n: POINTER_TYPES[a.dtype] if isinstance(a, torch.Tensor) else "i32" if -2**31 <= a < 2**31
-                     else "i64" for n, a in zip(names, args)}
+            types = {n: scalar_or_pointer_type(a) for n, a in zip(names, args)}
             aligned = tuple(n for n, a in zip(names, args) if not isinstance(a, torch.Tensor) and a % 16 == 0)
             compiled.append(compile_kernel(kernel, types, constexprs, num_warps, aligned))
         return compiled
