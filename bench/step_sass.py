@@ -21,27 +21,35 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 
-from dspark.ops.aot import compile_kernel
-from dspark.ops.gumbel_max import (GROUP_SIZE, MIN_DOT, STEP_TILES, _step_kernel, rank_chunk, step_tiles,
-                                   step_warps, unit_size)
+from dspark.ops.aot import LaunchRecorder
+from dspark.ops.gumbel_max import GROUP_SIZE, MIN_DOT, STEP_TILES, launch_step, num_units, step_tiles
 from drafting import tile_pair
 from timing import emit_table
 
 RANK = 256  # the drafting benchmark's Markov rank
-TYPES = {"logits_ptr": "*bf16", "bias_ptr": "*bf16", "w2_ptr": "*bf16", "temperature_ptr": "*fp32",
-         "biased_ptr": "*fp32", "unit_max_ptr": "*fp32", "unit_sum_ptr": "*fp32", "unit_index_ptr": "*i64"}
-ALIGNED = ("vocab_size", "logits_row_stride", "logits_pos_stride", "bias_row_stride", "w2_row_stride")
+VOCAB = 200064
 
 
-def sass(block_v: int, block_b: int) -> tuple[str, dict]:
-    """The step kernel's SASS and resource usage at tiles (block_v, block_b) for sm_90."""
+def sass(block_v: int, block_b: int) -> tuple[str, dict, int]:
+    """The step kernel's SASS, resource usage and warps at tiles (block_v, block_b) for sm_90, as
+    launch_step launches it for a batch of block_b rows of bfloat16 logits: with a rank-256 factor
+    and W2 (the bias product in the step) from MIN_DOT rows on, else with a bias [B, V]."""
     low_rank = block_b >= MIN_DOT
-    constexprs = {"BIAS": 2 if low_rank else 1, "WRITE": low_rank, "RANK": RANK if low_rank else 0,
-                  "BLOCK_R": rank_chunk(RANK), "BLOCK_B": block_b, "BLOCK_V": block_v,
-                  "UNIT": unit_size(block_v, GROUP_SIZE)}
-    kernel = compile_kernel(_step_kernel, TYPES, constexprs, step_warps(block_v, block_b, low_rank), ALIGNED)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    units = num_units(VOCAB, block_v, GROUP_SIZE)
+    recorder = LaunchRecorder()
+    launch_step(recorder, meta(block_b, 7, VOCAB), meta(block_b, RANK if low_rank else VOCAB),
+                meta(VOCAB, RANK) if low_rank else None, meta(block_b, dtype=torch.float32), 3,
+                meta(block_b, 7, VOCAB, dtype=torch.float32) if low_rank else None, block_v, block_b, GROUP_SIZE,
+                meta(block_b, units, dtype=torch.float32), meta(block_b, units, dtype=torch.float32),
+                meta(block_b, units, dtype=torch.int64))
+    kernel, warps = recorder.compile_all()[0], recorder.launches[0][3]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "step.cubin")
@@ -51,7 +59,7 @@ def sass(block_v: int, block_b: int) -> tuple[str, dict]:
                               check=True).stdout
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin], capture_output=True,
                                text=True, check=True).stdout
-    return text, {key: int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return text, {key: int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}, warps
 
 
 def main():
@@ -63,10 +71,10 @@ def main():
     args = parser.parse_args()
     rows = []
     for block_v, block_b in args.tiles:
-        text, usage = sass(block_v, block_b)
+        text, usage, warps = sass(block_v, block_b)
         count = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+\S", text))
         tokens = block_v * block_b
-        threads = 32 * step_warps(block_v, block_b, block_b >= MIN_DOT)
+        threads = 32 * warps
         rows.append(f"| {block_v} x {block_b} | {threads} | {count} | {count * threads / tokens:.0f} "
                     f"| {usage['REG']} | {usage['STACK']} |")
     header = f"Step kernel SASS for sm_90 (static counts, per thread), triton {triton.__version__}.\n"
