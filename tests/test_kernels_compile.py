@@ -20,8 +20,10 @@ def meta(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("batch", [1, 8, 88])
 @pytest.mark.parametrize("bias_kind", ["none", "dense", "low-rank"])
-def test_drafting_kernels_compile_for_sm90(batch, bias_kind):
-    """The step and the pick of one position, as ancestral_draft launches them for this bias."""
+@pytest.mark.parametrize("pdl", [False, True], ids=["compiled", "eager"])
+def test_drafting_kernels_compile_for_sm90(batch, bias_kind, pdl):
+    """The step and the pick of one position, as ancestral_draft launches them for this bias: eagerly
+    as programmatic dependent launches, or as torch.compile launches them (without)."""
     low_rank = bias_kind == "low-rank"
     block_v, block_b = step_tiles(batch, low_rank)
     logits = meta(batch, K, V, dtype=torch.bfloat16)
@@ -35,11 +37,11 @@ def test_drafting_kernels_compile_for_sm90(batch, bias_kind):
     temperature, seed, offset, slots = rows
     table = meta(V, R, dtype=torch.bfloat16)
     recorder = LaunchRecorder()
-    launch_step(recorder, logits, bias, w2, temperature, 3, biased, block_v, block_b, GROUP_SIZE, *units)
+    launch_step(recorder, logits, bias, w2, temperature, 3, biased, block_v, block_b, GROUP_SIZE, *units, pdl=pdl)
     source, added = (biased, None) if low_rank else (logits, bias)
     launch_gumbel_pick(recorder, *units, source, added, temperature, seed, offset, table, 3, block_v, GROUP_SIZE,
                        meta(batch, K, dtype=torch.int64), slots, meta(batch + 1, K, V),
-                       meta(batch, R, dtype=torch.bfloat16))
+                       meta(batch, R, dtype=torch.bfloat16), pdl=pdl)
     compiled = recorder.compile_all()
     assert len(compiled) == 2 and all(kernel.asm["cubin"] for kernel in compiled)
 

@@ -16,16 +16,17 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 
 
 def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: int, aligned: tuple[str, ...] = (),
-                   target: GPUTarget = H200):
+                   target: GPUTarget = H200, launch_pdl: bool = False):
     """The compiled `kernel` (a @triton.jit function) for `target`. types: Triton types of the
     pointer and scalar arguments ("*bf16", "i64", ...; int32 where missing); constexprs: the
     compile-time arguments. Pointers and the `aligned` arguments are specialized as multiples of 16,
-    as a launch at the ops' shapes (V = 200064 and its strides) specializes them."""
+    as a launch at the ops' shapes (V = 200064 and its strides) specializes them. launch_pdl: for a
+    programmatic dependent launch."""
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
     return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=target,
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps, "launch_pdl": launch_pdl})
 
 
 def scalar_or_pointer_type(arg) -> str:
@@ -50,16 +51,16 @@ class LaunchRecorder:
 
         class Grid:
             def __getitem__(self, grid):
-                def launch(*args, num_warps=4, **constexprs):
-                    recorder.launches.append((kernel, args, constexprs, num_warps))
+                def launch(*args, num_warps=4, launch_pdl=False, **constexprs):
+                    recorder.launches.append((kernel, args, constexprs, num_warps, launch_pdl))
                 return launch
         return Grid()
 
     def compile_all(self) -> list:
         compiled = []
-        for kernel, args, constexprs, num_warps in self.launches:
+        for kernel, args, constexprs, num_warps, launch_pdl in self.launches:
             names = [n for n in kernel.arg_names if n not in constexprs]
             types = {n: scalar_or_pointer_type(a) for n, a in zip(names, args)}
             aligned = tuple(n for n, a in zip(names, args) if not isinstance(a, torch.Tensor) and a % 16 == 0)
-            compiled.append(compile_kernel(kernel, types, constexprs, num_warps, aligned))
+            compiled.append(compile_kernel(kernel, types, constexprs, num_warps, aligned, launch_pdl=launch_pdl))
         return compiled
