@@ -350,9 +350,19 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    # what no kernel of the block writes: read before waiting for the step
     temperature = tl.load(temperature_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    offset = tl.load(offset_ptr + row)
+    slot = tl.load(slots_ptr + row)
     if PDL:
         gdc_wait()
+    # the proposal's logits (none for the race program), read before the statistics are merged so
+    # that the two reads overlap
+    ids = (chunk - 1) * CHUNK + tl.arange(0, CHUNK)
+    in_vocab = (chunk > 0) & (ids < vocab_size)
+    y = _position_logits(logits_ptr, bias_ptr, row, ids, in_vocab, k, logits_row_stride, logits_pos_stride,
+                         bias_row_stride, HAS_BIAS, "evict_first", False)
     unit = tl.arange(0, BLOCK_G)[:, None] * UNITS_PER_GROUP + tl.arange(0, UNITS_PER_GROUP)[None, :]
     is_unit = unit < num_units
     m_unit = tl.load(unit_max_ptr + row * num_units + unit, mask=is_unit, other=float("-inf"))
@@ -367,8 +377,6 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
     inverse = tl.div_rn(1.0, tl.where(temperature == 0.0, 1.0, temperature))
 
     if chunk == 0:  # the group race, then the token race inside the winning group
-        seed = tl.load(seed_ptr + row)
-        offset = tl.load(offset_ptr + row)
         counters = tl.arange(0, BLOCK_G // 4)
         group_noise = token_exponentials(seed, offset, counters, counters * 0 + group_stream)
         group = tl.argmax(fast_divide(mass, group_noise), 0, tie_break_left=True).to(tl.int64)
@@ -388,13 +396,8 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
             values = tl.load(table_ptr + token * table_stride + cols, mask=cols < rank)
             tl.store(rows_ptr + row * rank + cols, values, mask=cols < rank)
     else:  # chunk c's proposal: softmax(x) = exp(x - m_all) / sum(mass); one-hot for greedy rows
-        ids = (chunk - 1) * CHUNK + tl.arange(0, CHUNK)
-        in_vocab = ids < vocab_size
-        y = _position_logits(logits_ptr, bias_ptr, row, ids, in_vocab, k, logits_row_stride, logits_pos_stride,
-                             bias_row_stride, HAS_BIAS, "evict_first", False) * inverse
-        q = tl.exp(y - m_all) * (1.0 / tl.sum(mass, 0))
+        q = tl.exp(y * inverse - m_all) * (1.0 / tl.sum(mass, 0))
         q = tl.where(temperature == 0.0, (ids == greedy_token).to(tl.float32), q)
-        slot = tl.load(slots_ptr + row)
         tl.store(probs_ptr + slot * probs_slot_stride + k * probs_pos_stride + ids, q, mask=in_vocab,
                  eviction_policy="evict_first")
 
