@@ -371,9 +371,10 @@ def _pick_kernel(unit_max_ptr, unit_sum_ptr, unit_index_ptr, logits_ptr, bias_pt
     s_group = tl.sum(tl.where(m_unit == float("-inf"), 0.0, s_unit * tl.exp(m_unit - m_group[:, None])), 1)
     m_all = tl.max(m_group, 0)
     mass = tl.where(m_group == float("-inf"), 0.0, s_group * tl.exp(m_group - m_all))  # S_c / exp(m_all)
-    # greedy rows: the unit of the first maximum, its token
-    first = tl.argmax(tl.reshape(m_unit, [BLOCK_G * UNITS_PER_GROUP]), 0, tie_break_left=True)
-    greedy_token = tl.load(unit_index_ptr + row * num_units + first)
+    greedy_token = tl.full([], -1, tl.int64)
+    if temperature == 0.0:  # greedy rows: the unit of the first maximum, its token
+        first = tl.argmax(tl.reshape(m_unit, [BLOCK_G * UNITS_PER_GROUP]), 0, tie_break_left=True)
+        greedy_token = tl.load(unit_index_ptr + row * num_units + first)
     inverse = tl.div_rn(1.0, tl.where(temperature == 0.0, 1.0, temperature))
 
     if chunk == 0:  # the group race, then the token race inside the winning group
