@@ -13,6 +13,8 @@ the one before left there). Variants, in one process:
   factor, streaming W2 itself; with --tiles, one more such column per step tiling;
 - bias GEMM: ancestral_draft(fuse_bias=False): per position a cuBLAS GEMM writes the bias [B, V],
   the step reads it with the base logits, the pick reads both again (no float32 biased logits);
+- no PDL: dspark with the step and the pick launched as plain kernels, not as programmatic
+  dependents of the kernel before them (gumbel_max.programmatic_launch);
 - bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -27,6 +29,7 @@ the one before left there). Variants, in one process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 
 import torch
@@ -34,6 +37,7 @@ import triton
 
 from dspark.drafting import ancestral_draft
 from dspark.markov import VanillaMarkov
+from dspark.ops import gumbel_max
 from timing import emit_table, median_us, print_profile
 
 
@@ -54,6 +58,17 @@ def torch_loop(logits, head, anchor, temperature, slots, draft_probs):
         draft_probs[slots, k] = probs
         tokens.append(prev)
     return torch.stack(tokens, dim=1)
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """The drafting ops launched as plain kernels."""
+    shipped = gumbel_max.programmatic_launch
+    gumbel_max.programmatic_launch = lambda device: False
+    try:
+        yield
+    finally:
+        gumbel_max.programmatic_launch = shipped
 
 
 def bias_gemms(head, prev_embedding, positions):
@@ -88,8 +103,9 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
             return ancestral_draft(logits, None, head, anchor, temperature, seed, offset, slots,
                                    draft_probs, **kwargs)
 
-        def dspark(**kwargs):
-            return median_us(lambda: block(**kwargs), device, flush_l2=True)
+        def dspark(plain=False, **kwargs):
+            with plain_launches() if plain else contextlib.nullcontext():
+                return median_us(lambda: block(**kwargs), device, flush_l2=True)
 
         with torch.inference_mode():
             row = {
@@ -100,6 +116,7 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
                 "bias in step": dspark(fuse_bias=True),
                 **{f"bias in step {v}x{b}": dspark(tiles=(v, b), fuse_bias=True) for v, b in tiles},
                 "bias GEMM": dspark(fuse_bias=False),
+                "no PDL": dspark(plain=True),
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device,
                                         flush_l2=True),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
