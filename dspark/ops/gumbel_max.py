@@ -38,7 +38,8 @@ On Hopper both kernels are launched eagerly as programmatic dependents of the ke
 launch, so the next kernel's programs are placed on the GPU while this one's last programs run, read
 what no kernel of the block writes (the step: the base logits; the pick: the temperature) and wait
 for the kernel before to finish before they read anything else or write. That takes the launch
-gap out of the chain of 2K dependent kernels (on the H200 about 1.4 µs per position at B = 1).
+gap out of the chain of 2K dependent kernels (on the H200 11-12 µs per block of 7 positions at
+B = 1, 8 and 88; bench/drafting.py, "no PDL").
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
