@@ -23,7 +23,7 @@ the head's W2 [V, r]: then the step computes v W2^T itself on tensor cores, a ti
 the rows of its row tile, so W2 is streamed once per position and the bias is never written out
 (drafting does so for small batches: bias_in_step); that step writes the biased logits in float32,
 because nothing else could recompute its product bit for bit. The pick op (one launch per position;
-per row a race program and a program per chunk of PROPOSAL_CHUNK tokens, each merging the units
+per row a race program and a program per chunk of proposal_chunk(...) tokens, each merging the units
 into groups and into the row's statistics) runs the two races (the winning group's logits read
 again), writes the token and gathers the next Markov embedding, and writes the position's proposal
 softmax(x) into `draft_probs`, reading the logits as the step did: the base logits and the bias, or
@@ -35,11 +35,11 @@ evict_first: the verification reads it only after the target's forward).
 
 On Hopper both kernels are launched eagerly as programmatic dependents of the kernel before them
 (programmatic_launch; kept as such in CUDA graphs): each signals at its start that the next may
-launch, so the next kernel's programs are placed on the GPU while this one's last programs run, read
-what no kernel of the block writes (the step: the base logits; the pick: the temperature) and wait
-for the kernel before to finish before they read anything else or write. That takes the launch
-gap out of the chain of 2K dependent kernels (on the H200 11-12 µs per block of 7 positions at
-B = 1, 8 and 88; bench/drafting.py, "no PDL").
+launch, so the next kernel's programs are placed on the GPU while this one's last programs run,
+read what no kernel of the block writes (the step: the base logits; the pick: temperature, seed,
+offset, slot) and wait for the kernel before to finish before they read anything else or write.
+That takes the launch gap out of the chain of 2K dependent kernels (on the H200 9-11 µs per block
+of 7 positions at B = 1, 8, 44 and 88; bench/drafting.py, "no PDL").
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
