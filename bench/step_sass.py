@@ -4,14 +4,14 @@ instructions per tile and per token, registers, spills.
 At large batches the step is bound by instruction issue (Nsight Compute; docs/performance.md), so
 its SASS instruction count per token is the figure a change to its arithmetic moves; this counts it
 without a GPU. Triton compiles the kernel as a launch at V = 200064 would (pointers and the
-vocabulary's multiples of 16 specialized as divisible by 16), with a bfloat16 bias [B, V] for tiles
-of fewer than MIN_DOT rows and with a rank-256 bfloat16 factor and W2 (the bias product in the step)
-for larger row tiles, then its bundled ptxas and cuobjdump give the SASS. Static counts: every
+vocabulary's multiples of 16 specialized as divisible by 16), with a bfloat16 bias [B, V] (--tiles)
+or with a rank-256 bfloat16 factor and W2 (the bias product in the step, --low-rank-tiles), then
+its bundled ptxas and cuobjdump give the SASS. Static counts: every
 instruction once, the division's slow paths included (Nsight Compute counted 113 executed
 instructions per token at 1024-token tiles where this counts 126 for the same commit).
 
     python bench/step_sass.py                     # the default tilings
-    python bench/step_sass.py --tiles 4096x1 2048x2
+    python bench/step_sass.py --tiles 4096x1 2048x2 --low-rank-tiles 128x1 128x16
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 import triton
 
 from dspark.ops.aot import LaunchRecorder
-from dspark.ops.gumbel_max import GROUP_SIZE, MIN_DOT, STEP_TILES, launch_step, num_units, step_tiles
+from dspark.ops.gumbel_max import GROUP_SIZE, STEP_TILES, launch_step, num_units, step_tiles
 from drafting import tile_pair
 from timing import emit_table
 
@@ -33,11 +33,10 @@ RANK = 256  # the drafting benchmark's Markov rank
 VOCAB = 200064
 
 
-def sass(block_v: int, block_b: int) -> tuple[str, dict, int]:
+def sass(block_v: int, block_b: int, low_rank: bool) -> tuple[str, dict, int]:
     """The step kernel's SASS, resource usage and warps at tiles (block_v, block_b) for sm_90, as
     launch_step launches it for a batch of block_b rows of bfloat16 logits: with a rank-256 factor
-    and W2 (the bias product in the step) from MIN_DOT rows on, else with a bias [B, V]."""
-    low_rank = block_b >= MIN_DOT
+    and W2 (low_rank: the bias product in the step), else with a bias [B, V]."""
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -64,22 +63,25 @@ def sass(block_v: int, block_b: int) -> tuple[str, dict, int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiles", type=tile_pair, nargs="+",
-                        default=sorted({STEP_TILES, step_tiles(88), step_tiles(1, True), step_tiles(88, True)}),
-                        metavar="VxB", help="step tilings (block_v, block_b)")
+    parser.add_argument("--tiles", type=tile_pair, nargs="*", default=sorted({STEP_TILES, step_tiles(88)}),
+                        metavar="VxB", help="step tilings (block_v, block_b) with a dense bias")
+    parser.add_argument("--low-rank-tiles", type=tile_pair, nargs="*",
+                        default=sorted({step_tiles(b, low_rank=True) for b in (1, 8, 88)}), metavar="VxB",
+                        help="step tilings with the bias product in the step")
     parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
     rows = []
-    for block_v, block_b in args.tiles:
-        text, usage, warps = sass(block_v, block_b)
-        count = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+\S", text))
-        tokens = block_v * block_b
-        threads = 32 * warps
-        rows.append(f"| {block_v} x {block_b} | {threads} | {count} | {count * threads / tokens:.0f} "
-                    f"| {usage['REG']} | {usage['STACK']} |")
+    for low_rank, tilings in ((False, args.tiles), (True, args.low_rank_tiles)):
+        for block_v, block_b in tilings:
+            text, usage, warps = sass(block_v, block_b, low_rank)
+            count = len(re.findall(r"/\*[0-9a-f]{4,5}\*/\s+\S", text))
+            tokens = block_v * block_b
+            threads = 32 * warps
+            rows.append(f"| {block_v} x {block_b} | {'low-rank' if low_rank else 'dense'} | {threads} | {count} "
+                        f"| {count * threads / tokens:.0f} | {usage['REG']} | {usage['STACK']} |")
     header = f"Step kernel SASS for sm_90 (static counts, per thread), triton {triton.__version__}.\n"
-    emit_table([header, "| tile (V x B) | threads | instructions | per token | registers | stack bytes |",
-                "|---|---|---|---|---|---|", *rows], args.out)
+    emit_table([header, "| tile (V x B) | bias | threads | instructions | per token | registers | stack bytes |",
+                "|---|---|---|---|---|---|---|", *rows], args.out)
 
 
 if __name__ == "__main__":

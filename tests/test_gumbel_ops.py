@@ -115,7 +115,7 @@ def test_bad_inputs_are_named():
                                  (None, w2, "factor")):
         with pytest.raises(ValueError, match=match):
             gumbel_step(logits, bad_v, bad_w2, temperature, 0, biased_buffer(3), 64, 16, G)
-    with pytest.raises(ValueError, match="block_b >= 16"):
+    with pytest.raises(ValueError, match="block_b = 1 or >= 16"):
         gumbel_step(logits, v, w2, temperature, 0, biased_buffer(3), 64, 8, G)
     with pytest.raises(ValueError, match="give biased"):
         gumbel_step(logits, v, w2, temperature, 0, None, 64, 16, G)
@@ -267,7 +267,7 @@ def test_ops_compile_with_inductor():
 # ---------------------------------------------------------------- the CUDA kernels
 
 DENSE_TILES = [(1024, 1, 1024), (2048, 1, 1024), (4096, 4, 1024), (256, 2, 1024), (2048, 1, 512)]
-LOW_RANK_TILES = [(128, 16, 1024), (128, 64, 1024), (256, 32, 1024), (64, 128, 512)]
+LOW_RANK_TILES = [(128, 1, 1024), (128, 16, 1024), (128, 64, 1024), (256, 32, 1024), (64, 128, 512)]
 
 
 @pytest.mark.gpu
@@ -335,13 +335,14 @@ def test_cuda_draws_follow_softmax_at_the_default_models_vocabulary(tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(1024, 1, 1024), (256, 2, 1024), (128, 16, 1024)],
-                         ids=["1row", "2rows", "low-rank-16rows"])
-def test_block_replays_in_a_cuda_graph(tiles):
+@pytest.mark.parametrize("low_rank, tiles", [(False, (1024, 1, 1024)), (False, (256, 2, 1024)),
+                                             (True, (128, 1, 1024)), (True, (128, 16, 1024))],
+                         ids=["1row", "2rows", "low-rank-1row", "low-rank-16rows"])
+def test_block_replays_in_a_cuda_graph(low_rank, tiles):
     """A CUDA graph replay draws what the eager call draws; a new offset draws anew."""
     logits, bias, temperature, seeds, offsets = (
         t.cuda() for t in make_inputs(6, torch.bfloat16, vocab=5000))
-    bias = bias.bfloat16() if tiles[1] < 16 else cuda(make_factors(6, torch.bfloat16, 5000))
+    bias = cuda(make_factors(6, torch.bfloat16, 5000)) if low_rank else bias.bfloat16()
     table, slots = torch.randn(5000, 16, device="cuda"), torch.arange(6, device="cuda")
     probs = torch.zeros(6, K, 5000, device="cuda")
     args = (logits, bias, temperature, seeds, offsets, table, slots, probs, *tiles)
@@ -367,7 +368,8 @@ def test_block_replays_in_a_cuda_graph(tiles):
 def test_opcheck_cuda():
     logits, bias, temperature, seeds, offsets = (t.cuda() for t in make_inputs(3, torch.bfloat16))
     biased = biased_buffer(3, device="cuda")
-    for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1), (cuda(make_factors(3, torch.bfloat16)), 16)):
+    factors = cuda(make_factors(3, torch.bfloat16))
+    for b, block_b in ((bias, 1), (bias.bfloat16(), 2), (None, 1), (factors, 1), (factors, 16)):
         for written in (biased, None)[:1 if isinstance(b, tuple) else 2]:
             torch.library.opcheck(gumbel_step, (logits, *step_args(b), temperature, 1, written, 16, block_b, G))
     units = gumbel_step(logits, bias, None, temperature, 0, None, 16, 2, G)

@@ -19,8 +19,9 @@ The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows
 position's logits, base_k (NaN as 0) + bias, and writes per unit of min(block_v, group_size) tokens
 the softmax statistics of x and the argmax of x. The bias comes either as it is, [B, V] (a cuBLAS
 GEMM through the head before the step: the seed's design), or as its rank-r factor v [B, r] with
-the head's W2 [V, r]: then the step computes v W2^T itself on tensor cores, a tile of W2 against all
-the rows of its row tile, so W2 is streamed once per position and the bias is never written out
+the head's W2 [V, r]: then the step computes v W2^T itself, a tile of W2 against all the rows of its
+row tile (on tensor cores; a single row on the CUDA cores), so W2 is streamed once per position and
+the bias is never written out
 (drafting does so for small batches: bias_in_step); that step writes the biased logits in float32,
 because nothing else could recompute its product bit for bit. The pick op (one launch per position;
 per row a race program and a program per chunk of proposal_chunk(...) tokens, each merging the units
@@ -78,15 +79,17 @@ def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
     """The step's tiles for a batch of `batch` rows. A dense bias or none: STEP_TILES, one warp each
     (on the H200 2-3% faster blocks at B = 44 and 88 than 2048-token tiles with 2 warps, and than
     runs of tiles per program with their loads pipelined; docs/performance.md). A low-rank bias:
-    128-token tiles of all rows up to 128 (at least MIN_DOT), so that W2 is read once per position
-    (64- and 256-token tiles were slower on the H200)."""
+    128-token tiles of all rows up to 128, so that W2 is read once per position (64- and 256-token
+    tiles were slower on the H200); one row on the CUDA cores, more on tensor cores (at least MIN_DOT
+    rows: at B = 1 the CUDA-core product made the H200's block 12 µs faster, 227 -> 215 µs)."""
     if low_rank:
-        return 128, min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
+        return 128, 1 if batch == 1 else min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
     return STEP_TILES
 
 
 def rank_chunk(rank: int) -> int:
-    """Ranks per tl.dot of the low-rank step: the rank up to 64, at least MIN_DOT (masked beyond it)."""
+    """Ranks per iteration of the low-rank step's loop: the rank up to 64, at least MIN_DOT (masked
+    beyond it)."""
     return max(MIN_DOT, min(64, triton.next_power_of_2(max(rank, 1))))
 
 
@@ -147,13 +150,29 @@ def _low_rank_product(v_ptr, w2_ptr, rows, tokens, is_row, is_token, v_row_strid
 
 
 @triton.jit
+def _low_rank_row(v_ptr, w2_ptr, tokens, is_token, w2_row_stride, RANK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """v W2^T of one row for a tile, on the CUDA cores (a row tile of one: no tensor-core tile to fill):
+    [BLOCK_V] float32. v_ptr points at the row's factor; the rank loop is software-pipelined."""
+    acc = tl.zeros([tokens.shape[0]], tl.float32)
+    for start in tl.range(0, RANK, BLOCK_R, num_stages=3):
+        r = start + tl.arange(0, BLOCK_R)
+        in_rank = r < RANK
+        w2 = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride + r[None, :],
+                     mask=is_token[:, None] & in_rank[None, :], other=0.0)  # [BLOCK_V, BLOCK_R]
+        v = tl.load(v_ptr + r, mask=in_rank, other=0.0)  # [BLOCK_R]
+        acc += tl.sum(w2.to(tl.float32) * v.to(tl.float32)[None, :], 1)
+    return acc
+
+
+@triton.jit
 def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit_max_ptr, unit_sum_ptr,
                  unit_index_ptr, k, batch, vocab_size, num_positions, logits_row_stride, logits_pos_stride,
                  bias_row_stride, w2_row_stride, BIAS: tl.constexpr, WRITE: tl.constexpr, RANK: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr,
                  PDL: tl.constexpr):
     """One program per (row tile, vocabulary tile). BIAS: 0 none, 1 dense [B, V], 2 the factor [B, r]
-    times W2 [V, r] transposed (tl.dot, float32 accumulation). WRITE: store the biased logits.
+    times W2 [V, r] transposed (float32 accumulation: tl.dot, or on the CUDA cores for row tiles of
+    one). WRITE: store the biased logits.
     Odd positions take the vocabulary tiles in reverse launch order: a position starts on the tiles
     (of W2) the position before read last, which are still in L2. PDL: launched as a programmatic
     dependent of the kernel before (the pick, or the bias GEMM): the base logits are read before
@@ -172,7 +191,10 @@ def _step_kernel(logits_ptr, bias_ptr, w2_ptr, temperature_ptr, biased_ptr, unit
 
     biased = _position_logits(logits_ptr, bias_ptr, row64, tokens[None, :], inside, k, logits_row_stride,
                               logits_pos_stride, bias_row_stride, BIAS == 1, "", PDL)
-    if BIAS == 2:
+    if BIAS == 2 and BLOCK_B == 1:
+        v_ptr = bias_ptr + tl.program_id(0).to(tl.int64) * bias_row_stride
+        biased += _low_rank_row(v_ptr, w2_ptr, tokens, is_token, w2_row_stride, RANK, BLOCK_R)[None, :]
+    elif BIAS == 2:
         biased += tl.trans(_low_rank_product(bias_ptr, w2_ptr, rows, tokens, is_row, is_token, bias_row_stride,
                                              w2_row_stride, RANK, BLOCK_R))
     if WRITE:
@@ -281,7 +303,7 @@ def gumbel_step(logits: Tensor, bias: Tensor | None, w2: Tensor | None, temperat
 
     logits [B, K, V] float32 | bfloat16, read as they are; bias: the Markov bias [B, V] (any float
     dtype), or, with w2 [V, r] (the head's W2), its factor v [B, r] in w2's dtype (bias = v W2^T,
-    computed in the step; block_b at least MIN_DOT), or None (no Markov head); temperature [B]
+    computed in the step; block_b 1 or at least MIN_DOT), or None (no Markov head); temperature [B]
     float32 (0 = greedy row). The position's logits are logits[:, k] (NaN as 0) + bias, in float32.
     biased [B, K, V] float32 or None: if given, biased[:, k] = those logits (the pick then reads them
     there: needed with w2, whose product the pick cannot recompute). block_v (a power of two) and
@@ -317,8 +339,8 @@ def _check_bias(logits, bias, w2, block_b):
     if bias is None or bias.shape != (batch, w2.shape[1]) or bias.dtype != w2.dtype or bias.stride(-1) != 1:
         raise ValueError(f"with w2, bias must be the factor [{batch}, {w2.shape[1]}] {w2.dtype} with contiguous "
                          f"rows, got {None if bias is None else (tuple(bias.shape), bias.dtype)}")
-    if block_b < MIN_DOT:
-        raise ValueError(f"the low-rank step needs block_b >= {MIN_DOT} (a tensor-core tile), got {block_b}")
+    if 1 < block_b < MIN_DOT:
+        raise ValueError(f"the low-rank step needs block_b = 1 or >= {MIN_DOT} (a tensor-core tile), got {block_b}")
 
 
 def _is_power_of_two(n: int) -> bool:

@@ -83,7 +83,7 @@ def assert_steps_equal(got, want):
 TILES = [(512, 1, 512), (128, 1, 32), (64, 4, 128), (16, 2, 64)]  # (block_v, block_b, group_size)
 
 
-LOW_RANK_TILES = [(512, 16, 512), (128, 16, 32), (64, 32, 128)]
+LOW_RANK_TILES = [(512, 16, 512), (128, 16, 32), (64, 32, 128), (128, 1, 32), (64, 1, 128)]
 
 
 @pytest.mark.parametrize("bias_kind, tiles", [(kind, tiles) for kind in ("dense", "none") for tiles in TILES]
