@@ -70,8 +70,9 @@ BIAS_IN_STEP_MAX_ROWS = 8  # the largest batch whose step computes the Markov bi
 def bias_in_step(batch: int) -> bool:
     """Whether the step computes the Markov bias of `batch` rows from the head's factor (else a cuBLAS
     GEMM writes it first). On the H200 (bench/drafting.py, docs/performance.md) the step that streams
-    W2 itself took 5% off a block at 8 rows and matched the GEMM at 1, but was 16-36% slower at 44
-    and 88 rows (below the copy bandwidth with its 128-row tiles), where the GEMM design stays."""
+    W2 itself takes 13% off a block at 8 rows and 18% at 1 (263 against 301 µs, 216 against 263), but
+    is 40% and 100% slower at 44 and 88 rows (654 against 467, 1398 against 697: below the copy
+    bandwidth with its 128-row tiles), where the GEMM design stays."""
     return batch <= BIAS_IN_STEP_MAX_ROWS
 
 
