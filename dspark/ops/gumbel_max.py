@@ -21,8 +21,8 @@ the softmax statistics of x and the argmax of x. The bias comes either as it is,
 GEMM through the head before the step: the seed's design), or as its rank-r factor v [B, r] with
 the head's W2 [V, r]: then the step computes v W2^T itself, a tile of W2 against all the rows of its
 row tile (on tensor cores; a single row on the CUDA cores), so W2 is streamed once per position and
-the bias is never written out
-(drafting does so for small batches: bias_in_step); that step writes the biased logits in float32,
+the bias is never written out (drafting does so for small batches: bias_in_step); that step writes
+the biased logits in float32,
 because nothing else could recompute its product bit for bit. The pick op (one launch per position;
 per row a race program and a program per chunk of proposal_chunk(...) tokens, each merging the units
 into groups and into the row's statistics) runs the two races (the winning group's logits read
@@ -134,6 +134,13 @@ def _position_logits(logits_ptr, bias_ptr, rows, tokens, inside, k, logits_row_s
 
 
 @triton.jit
+def _w2_chunk(w2_ptr, tokens, is_token, r, in_rank, w2_row_stride):
+    """W2's ranks r of the tile's tokens: [BLOCK_V, BLOCK_R] (0 outside the vocabulary or the rank)."""
+    return tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride + r[None, :],
+                   mask=is_token[:, None] & in_rank[None, :], other=0.0)
+
+
+@triton.jit
 def _low_rank_product(v_ptr, w2_ptr, rows, tokens, is_row, is_token, v_row_stride, w2_row_stride,
                       RANK: tl.constexpr, BLOCK_R: tl.constexpr):
     """v W2^T for a tile, transposed: [BLOCK_V, BLOCK_B] float32. W2's tokens are the dot's M, so
@@ -142,8 +149,7 @@ def _low_rank_product(v_ptr, w2_ptr, rows, tokens, is_row, is_token, v_row_strid
     for start in tl.range(0, RANK, BLOCK_R, num_stages=3):
         r = start + tl.arange(0, BLOCK_R)
         in_rank = r < RANK
-        w2 = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride + r[None, :],
-                     mask=is_token[:, None] & in_rank[None, :], other=0.0)  # [BLOCK_V, BLOCK_R]
+        w2 = _w2_chunk(w2_ptr, tokens, is_token, r, in_rank, w2_row_stride)
         v = tl.load(v_ptr + rows.to(tl.int64)[None, :] * v_row_stride + r[:, None],
                     mask=in_rank[:, None] & is_row[None, :], other=0.0)  # [BLOCK_R, BLOCK_B]
         acc = tl.dot(w2, v, acc, input_precision="ieee")
@@ -158,8 +164,7 @@ def _low_rank_row(v_ptr, w2_ptr, tokens, is_token, w2_row_stride, RANK: tl.const
     for start in tl.range(0, RANK, BLOCK_R, num_stages=3):
         r = start + tl.arange(0, BLOCK_R)
         in_rank = r < RANK
-        w2 = tl.load(w2_ptr + tokens.to(tl.int64)[:, None] * w2_row_stride + r[None, :],
-                     mask=is_token[:, None] & in_rank[None, :], other=0.0)  # [BLOCK_V, BLOCK_R]
+        w2 = _w2_chunk(w2_ptr, tokens, is_token, r, in_rank, w2_row_stride)
         v = tl.load(v_ptr + r, mask=in_rank, other=0.0)  # [BLOCK_R]
         acc += tl.sum(w2.to(tl.float32) * v.to(tl.float32)[None, :], 1)
     return acc
