@@ -18,21 +18,20 @@ kernels' tiles, but for float32 rounding of near ties (group sums are summed in 
 The step op (one launch per position, tiles of `block_v` tokens x `block_b` rows) reads the
 position's logits, base_k (NaN as 0) + bias, and writes per unit of min(block_v, group_size) tokens
 the softmax statistics of x and the argmax of x. The bias comes either as it is, [B, V] (a cuBLAS
-GEMM through the head before the step: the seed's design), or as its rank-r factor v [B, r] with
-the head's W2 [V, r]: then the step computes v W2^T itself, a tile of W2 against all the rows of its
-row tile (on tensor cores; a single row on the CUDA cores), so W2 is streamed once per position and
-the bias is never written out (drafting does so for small batches: bias_in_step); that step writes
-the biased logits in float32,
-because nothing else could recompute its product bit for bit. The pick op (one launch per position;
-per row a race program and a program per chunk of proposal_chunk(...) tokens, each merging the units
-into groups and into the row's statistics) runs the two races (the winning group's logits read
-again), writes the token and gathers the next Markov embedding, and writes the position's proposal
-softmax(x) into `draft_probs`, reading the logits as the step did: the base logits and the bias, or
-the biased logits the step wrote, with the same rounding. So the seed's float32 biased logits,
-written by the step and read back by a proposal pass after the block, are neither written nor read
-when the bias is given: per token and position the step reads the base logits and the bias, the
-pick reads them again (mostly from L2, where the step left them) and writes the proposal (marked
-evict_first: the verification reads it only after the target's forward).
+GEMM through the head before the step: the seed's design), or as its rank-r factor v [B, r] with the
+head's W2 [V, r]: then the step computes v W2^T itself, a tile of W2 against all the rows of its row
+tile (on tensor cores; a single row on the CUDA cores), so W2 is streamed once per position and the
+bias is never written out (drafting does so for small batches: bias_in_step); that step writes the
+biased logits in float32, because nothing else could recompute its product bit for bit. The pick op
+(one launch per position; per row a race program and a program per chunk of proposal_chunk(...)
+tokens, each merging the units into groups and into the row's statistics) runs the two races (the
+winning group's logits read again), writes the token and gathers the next Markov embedding, and
+writes the position's proposal softmax(x) into `draft_probs`, reading the logits as the step did:
+the base logits and the bias, or the biased logits the step wrote, with the same rounding. So the
+seed's float32 biased logits, written by the step and read back by a proposal pass after the block,
+are neither written nor read when the bias is given: per token and position the step reads the base
+logits and the bias, the pick reads them again (mostly from L2, where the step left them) and writes
+the proposal (marked evict_first: the verification reads it only after the target's forward).
 
 On Hopper both kernels are launched eagerly as programmatic dependents of the kernel before them
 (programmatic_launch; kept as such in CUDA graphs): each signals at its start that the next may
