@@ -1,17 +1,22 @@
 """Training speed: optimizer steps per second of `dspark.train.train_step` on the default recipe's
-shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, and
-with the whole step's forward compiled (the target's and each drafter's, loss included).
+shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, with
+the whole step's forward compiled (the target's and each drafter's, loss included), and the last
+with length-bucketed batches (`dspark.train.BatchOrder`, the recipe's default) instead of batches
+of random sequences.
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
-weights), the default drafter and its rank-0 twin, batches of random sequences of lengths like the
-self-distilled data's (prompts of 100 to 400 tokens, responses of 96 to 192, drawn per sequence, so
-that batches differ in length). The variants run in one process on the same batches; each is warmed
-up (compiling there), then timed over --steps steps with a device synchronisation at both ends. The
-table counts the graphs each variant compiled: a count that grows with the steps would mean a
-compilation per batch length.
+weights), the default drafter and its rank-0 twin (--no-rank0-twin: the drafter alone), sequences
+of random tokens: by default prompts of 100 to 400 tokens and responses of 96 to 192, drawn per
+sequence; with --lengths-from, the prompt and response lengths of a training run's self-distilled
+data (OUT/sequences.jsonl). The variants run in one process, each warmed up (compiling there), then
+timed over --steps steps with a device synchronisation at both ends; all but the bucketed one see
+the same batches. The table counts the graphs each variant compiled: a count that grows with the
+steps would mean a compilation per batch length.
 
     python bench/train_step.py                  # GPU
     python bench/train_step.py --profile 3      # and where each variant's step time goes
+    python bench/train_step.py --variants "compiled step" "compiled step, length buckets" \
+        --no-rank0-twin --lengths-from ~/run/sequences.jsonl   # the shipped run's recipe and data
     python bench/train_step.py --smoke          # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import time
 
 import torch
@@ -29,38 +35,50 @@ from torch._dynamo.utils import counters
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel
-from dspark.train import TrainConfig, default_drafter_config, make_batch, make_student, train_step
+from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_student, train_step
 from timing import emit_table, print_profile
 
 SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
                             max_position_embeddings=8192, tie_word_embeddings=True)
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
-# (name, what torch.compile covers: dspark.train.COMPILE_MODES)
-VARIANTS = (("eager", "none"), ("compiled loss", "loss"), ("compiled step", "all"))
+# (name, what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig.bucket_batches)
+VARIANTS = {"eager": ("none", 1), "compiled loss": ("loss", 1), "compiled step": ("all", 1),
+            "compiled step, length buckets": ("all", TrainConfig.bucket_batches)}
 
 
-def random_sequences(count: int, vocab: int, prompt_len: int, response_len: int) -> list[Sequence]:
-    """Sequences of a prompt of prompt_len / 4 .. prompt_len tokens and a response of
-    response_len / 2 .. response_len tokens."""
+def drawn_lengths(count: int, prompt_len: int, response_len: int) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: prompt_len / 4 .. prompt_len and response_len / 2 .. response_len."""
     g = torch.Generator().manual_seed(0)
-    sequences = []
-    for _ in range(count):
-        prompt = int(torch.randint(prompt_len // 4, prompt_len + 1, (), generator=g))
-        response = int(torch.randint(response_len // 2, response_len + 1, (), generator=g))
-        sequences.append(Sequence(torch.randint(0, vocab, (prompt + response,), generator=g).tolist(), prompt))
-    return sequences
+    return [(int(torch.randint(prompt_len // 4, prompt_len + 1, (), generator=g)),
+             int(torch.randint(response_len // 2, response_len + 1, (), generator=g))) for _ in range(count)]
 
 
-def step_runner(target, sequences, recipe, compile, device):
-    """run(step): one training step of a fresh drafter and its rank-0 twin on batch `step`."""
-    students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe),
-                make_student("drafter-rank0", target, default_drafter_config(target.config, 16, markov_rank=0),
-                             recipe)]
+def data_lengths(path: str) -> list[tuple[int, int]]:
+    """(prompt, response) lengths of the sequences in a self-distillation cache (its first line is a header)."""
+    with open(path) as lines:
+        rows = [json.loads(line) for line in list(lines)[1:]]
+    return [(row["prompt_len"], len(row["tokens"]) - row["prompt_len"]) for row in rows]
+
+
+def random_sequences(lengths: list[tuple[int, int]], vocab: int) -> list[Sequence]:
+    g = torch.Generator().manual_seed(0)
+    return [Sequence(torch.randint(0, vocab, (prompt + response,), generator=g).tolist(), prompt)
+            for prompt, response in lengths]
+
+
+def step_runner(target, sequences, recipe, compile, device, rank0_twin: bool):
+    """run(step): one training step of a fresh drafter (and its rank-0 twin) on batch `step`."""
+    students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe)]
+    if rank0_twin:
+        twin = default_drafter_config(target.config, 16, markov_rank=0)
+        students.append(make_student("drafter-rank0", target, twin, recipe))
     block_size = students[0].drafter.block_size
+    order = BatchOrder([len(s.tokens) for s in sequences], recipe)
 
     def run(step):
-        train_step(target, students, make_batch(sequences, step, recipe, block_size).to(device), recipe, compile)
+        chosen = [sequences[i] for i in order(step)]
+        train_step(target, students, make_batch(chosen, step, recipe, block_size).to(device), recipe, compile)
 
     return run
 
@@ -87,6 +105,11 @@ def main():
     parser.add_argument("--out", help="also write the table as markdown here")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="then profile this many steps of each variant (at the last batch size)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--rank0-twin", action=argparse.BooleanOptionalAction, default=True,
+                        help="train the rank-0 twin beside the drafter, as the recipe does by default")
+    parser.add_argument("--lengths-from", metavar="SEQUENCES_JSONL",
+                        help="prompt and response lengths of a run's self-distilled data (OUT/sequences.jsonl)")
     args = parser.parse_args()
     recipe, batch_sizes = TrainConfig(), args.batch_sizes
     if args.smoke:
@@ -102,11 +125,16 @@ def main():
     rows, runs = [], {}
     for batch_size in batch_sizes:
         recipe = dataclasses.replace(recipe, batch_size=batch_size)
-        sequences = random_sequences(4 * batch_size, config.vocab_size, *shapes)
-        for name, compile in VARIANTS:
+        # enough sequences for every variant's warm-up and timed steps, and for a full length bucket
+        count = max(batch_size * (warmup + steps), batch_size * recipe.bucket_batches)
+        lengths = data_lengths(args.lengths_from) if args.lengths_from else drawn_lengths(count, *shapes)
+        sequences = random_sequences(lengths, config.vocab_size)
+        for name in args.variants:
+            compile, bucket_batches = VARIANTS[name]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            runs[name] = step_runner(target, sequences, recipe, compile, device)
+            variant_recipe = dataclasses.replace(recipe, bucket_batches=bucket_batches)
+            runs[name] = step_runner(target, sequences, variant_recipe, compile, device, args.rank0_twin)
             graphs = counters["stats"]["unique_graphs"]
             rate = steps_per_second(runs[name], steps, warmup, device)
             graphs = counters["stats"]["unique_graphs"] - graphs
@@ -114,9 +142,10 @@ def main():
             rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
                         f"| {peak:.1f} | {graphs} |")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    header = (f"train_step: B sequences x {recipe.num_anchors} blocks per step "
-              f"(prompts of {shapes[0] // 4}-{shapes[0]}, responses of {shapes[1] // 2}-{shapes[1]} tokens), "
-              f"drafter + rank-0 twin, {steps} steps "
+    data = (f"the prompt and response lengths of {args.lengths_from}" if args.lengths_from else
+            f"prompts of {shapes[0] // 4}-{shapes[0]}, responses of {shapes[1] // 2}-{shapes[1]} tokens")
+    header = (f"train_step: B sequences x {recipe.num_anchors} blocks per step ({data}), "
+              f"{'drafter + rank-0 twin' if args.rank0_twin else 'drafter alone'}, {steps} steps "
               f"after {warmup} warm-up.\n\n{name}, torch {torch.__version__}, triton {triton.__version__}, "
               f"{datetime.date.today()}.\n")
     emit_table([header, "| B | compiled | ms / step | steps / s | sequences / s | peak GiB | graphs compiled |",

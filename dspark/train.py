@@ -41,6 +41,7 @@ of its 17.9M parameters), a confidence head over [h ; W1[prev]], mask token <emp
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -75,6 +76,7 @@ class TrainConfig:
     """The recipe: everything that decides the trained weights (a resumed run must match it)."""
     steps: int = 6000
     batch_size: int = 64  # sequences per step
+    bucket_batches: int = 16  # batches drawn together and sorted by length (see BatchOrder)
     num_anchors: int = 64  # blocks per sequence (fewer when the response is shorter)
     lr: float = 1e-3
     warmup: float = 0.04  # fraction of the steps
@@ -118,25 +120,52 @@ class Batch:
         return Batch(self.tokens.to(device), self.anchors.to(device), self.valid.to(device))
 
 
-@functools.lru_cache(maxsize=2)
-def epoch_order(num_sequences: int, seed: int, epoch: int) -> list[int]:
-    """The seeded permutation of the sequences in `epoch` (kept for the steps that read it)."""
-    return torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+class BatchOrder:
+    """Which sequences each step trains on. Every epoch is a seeded permutation of the sequences,
+    cut into runs of `config.bucket_batches` batches; each run is sorted by length and cut into batches, and
+    the epoch's batches are shuffled. So every sequence is seen once an epoch (but for the last
+    len % batch_size of the permutation), and a batch holds sequences of similar lengths: padded
+    to its longest, a batch of random sequences was 2.2 times its real tokens on the self-distilled
+    data (short prompts beside stdlib code of up to 512 tokens), the target's forward with it.
+    bucket_batches = 1 gives batches of random sequences. A function of (lengths, config, step), so
+    a resumed run sees the same batches."""
+
+    def __init__(self, lengths: list[int], config: TrainConfig):
+        if len(lengths) < config.batch_size:
+            raise ValueError(f"{len(lengths)} sequences cannot fill a batch of {config.batch_size}")
+        if config.bucket_batches < 1:
+            raise ValueError(f"bucket_batches must be >= 1, got {config.bucket_batches}")
+        self.lengths, self.batch_size, self.seed = lengths, config.batch_size, config.seed
+        self.bucket_batches = config.bucket_batches
+        self.batches_per_epoch = len(lengths) // config.batch_size
+        self.cached: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        """The batches of `epoch`, in their order (sequence indices)."""
+        if self.cached is None or self.cached[0] != epoch:
+            self.cached = epoch, self._batches(epoch)
+        return self.cached[1]
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        order = order[:self.batches_per_epoch * self.batch_size]
+        run = self.bucket_batches * self.batch_size
+        order = [i for begin in range(0, len(order), run)
+                 for i in sorted(order[begin:begin + run], key=self.lengths.__getitem__)]
+        batches = [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(self.batches_per_epoch)]
+        return [batches[b] for b in torch.randperm(len(batches), generator=generator).tolist()]
+
+    def __call__(self, step: int) -> list[int]:
+        return self.epoch(step // self.batches_per_epoch)[step % self.batches_per_epoch]
 
 
-def batch_indices(num_sequences: int, batch_size: int, step: int, seed: int) -> list[int]:
-    """The sequences of `step`: consecutive slices of one seeded permutation per epoch."""
-    return [epoch_order(num_sequences, seed, i // num_sequences)[i % num_sequences]
-            for i in range(step * batch_size, (step + 1) * batch_size)]
-
-
-def make_batch(sequences: list[Sequence], step: int, config: TrainConfig, block_size: int) -> Batch:
-    """The step's sequences, padded to a multiple of LENGTH_MULTIPLE, with up to `num_anchors` random
-    anchors each among the response positions that have a next token (always `num_anchors` blocks,
-    the missing ones padding). So a batch's shape varies only in its length, and only in whole
-    multiples: a compiled step (COMPILE_MODES) then compiles once, where other lengths' alignments
-    would each compile again."""
-    chosen = [sequences[i] for i in batch_indices(len(sequences), config.batch_size, step, config.seed)]
+def make_batch(chosen: list[Sequence], step: int, config: TrainConfig, block_size: int) -> Batch:
+    """Step `step`'s sequences (see BatchOrder), padded to a multiple of LENGTH_MULTIPLE, with up to
+    `num_anchors` random anchors each among the response positions that have a next token (always
+    `num_anchors` blocks, the missing ones padding). So a batch's shape varies only in its length,
+    and only in whole multiples: a compiled step (COMPILE_MODES) then compiles once, where other
+    lengths' alignments would each compile again. The anchors are a function of (seed, step)."""
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
     # anchors p with a label at p + 1, sorted
     picked = [(torch.randperm(len(s.tokens) - 1 - s.prompt_len, generator=generator)[:config.num_anchors]
@@ -374,9 +403,10 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
     """Fixed batches (sequences and anchors) of held-out sequences, to follow generalization."""
-    batch_size = min(config.batch_size, len(sequences))
-    config = dataclasses.replace(config, batch_size=batch_size)
-    return [make_batch(sequences, i, config, block_size) for i in range(len(sequences) // batch_size)]
+    config = dataclasses.replace(config, batch_size=min(config.batch_size, len(sequences)))
+    order = BatchOrder([len(s.tokens) for s in sequences], config)
+    return [make_batch([sequences[i] for i in order(step)], step, config, block_size)
+            for step in range(order.batches_per_epoch)]
 
 
 @torch.no_grad()
@@ -437,29 +467,56 @@ def progress_line(summaries: dict[str, dict]) -> str:
 class TimeBudget:
     """A `stop` callback: says stop once the next step (or generation batch) would end after
     `deadline` (time.monotonic(); None: never), judging a step's length by the time between the
-    last two calls. The first step is not a guide (it compiles), so it never stops the second."""
+    last two calls. The first step is not a guide (it compiles), so it never stops the second.
+    `steps_left()` says how many steps of the mean length over the last `window` calls still fit."""
 
-    def __init__(self, deadline: float | None):
+    def __init__(self, deadline: float | None, window: int = 200):
         self.deadline = deadline
         self.calls = 0
-        self.last: float | None = None
+        self.times: collections.deque[float] = collections.deque(maxlen=window + 1)
 
     def __call__(self, step: int) -> bool:
         now = time.monotonic()
-        step_seconds = 0.0 if self.calls < 2 else now - self.last
-        self.calls, self.last = self.calls + 1, now
+        step_seconds = 0.0 if self.calls < 2 else now - self.times[-1]
+        self.calls += 1
+        self.times.append(now)
         return self.deadline is not None and now + step_seconds > self.deadline
+
+    def steps_left(self) -> int:
+        if self.deadline is None or len(self.times) < 2:
+            raise RuntimeError("steps_left needs a deadline and two calls")
+        step_seconds = (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+        return max(0, int((self.deadline - self.times[-1]) / step_seconds))
+
+
+# Fitting the schedule to a time budget (train's fit_schedule): after this many steps of a call
+# (the first few compile; TimeBudget averages the last 200), with this share of the time left.
+FIT_AFTER_STEPS = 220
+FIT_MARGIN = 0.97  # for the held-out checks and the last save, which the step times leave out
+
+
+def fit_schedule_to(budget: TimeBudget, step: int, students: list[Student], config: TrainConfig) -> TrainConfig:
+    """The recipe with `steps` set so that the schedule ends when the budget does; the students'
+    learning-rate schedules follow the new total from `step` on (as on a resume with other --steps)."""
+    steps = step + int(FIT_MARGIN * budget.steps_left())
+    for student in students:
+        student.scheduler.lr_lambdas[0] = warmup_cosine(steps, config.warmup)
+    return dataclasses.replace(config, steps=steps)
 
 
 def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Sequence], out: Path,
           config: TrainConfig, resume: bool = False, stop: Callable[[int], bool] | None = None,
           save_every: int = 500, log_every: int = 10, heldout: list[Sequence] | None = None,
-          heldout_every: int = 500, compile: str | None = None) -> list[Student]:
+          heldout_every: int = 500, compile: str | None = None, fit_schedule: bool = False) -> list[Student]:
     """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
     `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
     `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, and the
     estimates on the `heldout` sequences every `heldout_every` steps and at the last step; exports
-    to out/<name>; returns the students. `compile`: see student_losses."""
+    to out/<name>; returns the students. `compile`: see student_losses. `fit_schedule`: `stop` is a
+    TimeBudget, and FIT_AFTER_STEPS steps into this call the total becomes the steps that fit in it
+    (fit_schedule_to), so the learning rate's decay ends with the budget."""
+    if fit_schedule and not (isinstance(stop, TimeBudget) and stop.deadline is not None):
+        raise ValueError("fit_schedule needs a TimeBudget with a deadline as `stop`")
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
     target.drop_caches()  # the self-distillation decoder left its KV caches
@@ -471,9 +528,11 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     if checkpoint.exists() and not resume:
         raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
     step = load_checkpoint(checkpoint, students, config, drafter_config) if resume and checkpoint.exists() else 0
+    fit_at = step + FIT_AFTER_STEPS if fit_schedule else None
 
     device = target.embed_tokens.weight.device
     checks = heldout_batches(heldout, config, drafter_config.block_size) if heldout else []
+    order = BatchOrder([len(s.tokens) for s in sequences], config)
     window = [Stats() for _ in students]
     bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0)
     with (out / "log.jsonl").open("a") as log:
@@ -481,10 +540,16 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             if stop is not None and stop(step):
                 bar.write(f"stopped at step {step}: continue with --resume")
                 break
-            batch = make_batch(sequences, step, config, drafter_config.block_size).to(device)
+            chosen = [sequences[i] for i in order(step)]
+            batch = make_batch(chosen, step, config, drafter_config.block_size).to(device)
             window = [w + s for w, s in zip(window, train_step(target, students, batch, config, compile))]
             step += 1
             bar.update(1)
+            if step == fit_at:
+                config = fit_schedule_to(stop, step, students, config)
+                bar.total = config.steps
+                bar.write(f"schedule fitted to the time budget: {config.steps} steps")
+                log.write(json.dumps({"step": step, "fitted_steps": config.steps}) + "\n")
             if step % log_every == 0 or step == config.steps:
                 summaries = {s.name: w.summary() for s, w in zip(students, window)}
                 bar.set_postfix_str(progress_line(summaries), refresh=False)
@@ -519,6 +584,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop (checkpointed) before this many seconds have passed since start; leave a "
                         "minute of the calling limit for loading and the final save")
+    p.add_argument("--fit-steps", action="store_true",
+                   help=f"fit the schedule to --time-budget-s: {FIT_AFTER_STEPS} steps in, the total becomes the "
+                        "steps that fit before the deadline (--steps is the total until then); log.jsonl "
+                        "records it, and a resume without --fit-steps must pass it as --steps")
     p.add_argument("--smoke", action="store_true", help="a few steps on tiny data, to check the pipeline")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -544,6 +613,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="what torch.compile covers in a step (default: all of it on the GPU, nothing on the CPU)")
     args = p.parse_args(argv)
+    if args.fit_steps and args.time_budget_s is None:
+        p.error("--fit-steps needs --time-budget-s")
     if args.smoke:
         args.device = "cpu"
         args.steps, args.batch_size, args.num_anchors, args.save_every, args.log_every = 4, 2, 8, 2, 1
@@ -593,7 +664,7 @@ def main(argv=None) -> None:
                                             args.markov_rank)
     train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
           save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every,
-          compile=args.compile)
+          compile=args.compile, fit_schedule=args.fit_steps)
     size = (args.out / "drafter" / "model.safetensors").stat().st_size
     print(f"done in {time.monotonic() - started:.0f} s; {args.out / 'drafter'} holds {size / 1e6:.1f} MB of weights")
 

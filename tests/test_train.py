@@ -168,6 +168,42 @@ def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
     assert not any(training.TimeBudget(None)(step) for step in range(3))
 
 
+def test_time_budget_counts_the_steps_left_at_the_mean_step_length(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(training.time, "monotonic", lambda: now[0])
+    budget = training.TimeBudget(deadline=100.0, window=4)
+    for t in (0.0, 30.0, 31.0, 33.0, 34.0, 36.0):  # a compiling step, then 1 s and 2 s steps
+        now[0] = t
+        budget(0)
+    assert budget.steps_left() == 42  # the last 4 steps took 1.5 s on average; 64 s are left
+    with pytest.raises(RuntimeError, match="deadline"):
+        training.TimeBudget(None).steps_left()
+
+
+def test_a_fitted_schedule_ends_with_the_time_budget(target, sequences, tmp_path, monkeypatch):
+    """fit_schedule: FIT_AFTER_STEPS steps in, the total becomes the steps that fit before the deadline
+    (here 1 s a step on a fake clock), and the learning rate decays to zero exactly at that step."""
+    now = [0.0]
+
+    def tick() -> float:  # each call of the budget (one per step) is a second later
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(training, "FIT_AFTER_STEPS", 3)
+    config = training.TrainConfig(steps=50, batch_size=2, num_anchors=4, rank0_twin=False)
+    budget = training.TimeBudget(deadline=12.5)
+    monkeypatch.setattr(training, "time", type("Clock", (), {"monotonic": staticmethod(tick)}))
+    [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=budget,
+                               fit_schedule=True)
+    fitted = int(training.FIT_MARGIN * 9)  # 3 steps in, the budget's last call read 3.0: 9.5 s, 9 steps left
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert {"step": 3, "fitted_steps": 3 + fitted} in log
+    assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 3 + fitted
+    assert student.scheduler.get_last_lr()[0] == 0.0
+    with pytest.raises(ValueError, match="TimeBudget"):
+        training.train(target, tiny_drafter_config(target), sequences, tmp_path / "b", config, fit_schedule=True)
+
+
 def test_default_drafter_config_fits_the_size_budget():
     smollm2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
@@ -202,6 +238,25 @@ def test_batches_anchor_only_response_positions_with_labels():
             assert anchors.min() >= seq.prompt_len and anchors.max() + 1 < length
             label_at = batch.anchors[row, :, None] + torch.arange(1, 4)
             assert torch.equal(batch.valid[row], used[:, None] & (label_at < length))
+
+
+def test_batch_order_sees_every_sequence_once_an_epoch_in_batches_of_similar_lengths():
+    lengths = torch.randint(10, 500, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    padded = {}
+    for bucket_batches in (1, 16):
+        config = training.TrainConfig(batch_size=10, bucket_batches=bucket_batches, seed=3)
+        order = training.BatchOrder(lengths, config)
+        for epoch in range(2):
+            batches = [order(epoch * 100 + b) for b in range(100)]
+            assert sorted(i for batch in batches for i in batch) == list(range(1000))
+        assert order(5) == training.BatchOrder(lengths, config)(5)  # a function of (lengths, config, step)
+        assert order(5) != order(105)  # another epoch, another order
+        padded[bucket_batches] = sum(max(lengths[i] for i in order(b)) * 10 for b in range(100)) / sum(lengths)
+    assert padded[1] > 1.5 and padded[16] < 1.1  # random batches against length buckets
+    with pytest.raises(ValueError, match="bucket_batches"):
+        training.BatchOrder(lengths, training.TrainConfig(bucket_batches=0))
+    with pytest.raises(ValueError, match="cannot fill a batch of 64"):
+        training.BatchOrder(lengths[:63], training.TrainConfig())
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -273,7 +328,7 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
                     training.make_student("twin", target, tiny_drafter_config(target, markov_rank=0), config)]
         results[compile] = []
         for data in (sequences, longer):
-            batch = training.make_batch(data, 3, config, students[0].drafter.block_size)
+            batch = training.make_batch(data[:config.batch_size], 3, config, students[0].drafter.block_size)
             lengths.add(batch.tokens.shape[1])
             for student, loss, stats in training.student_losses(target, students, batch, config, compile):
                 grads = torch.autograd.grad(loss, [p for p in student.drafter.parameters() if p.requires_grad])
