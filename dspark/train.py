@@ -3,11 +3,17 @@
     python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 8000 \
         --argmax-weight 0.3 --time-budget-s 880              # the shipped drafter's run
     python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 540 --resume
+    python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 14000 --fit-steps \
+        --argmax-weight 0.3 --time-budget-s 1190             # data and schedule within 20 minutes
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
 
+The shipped drafter's run drew its random batches from one stream of epochs; BatchOrder's default
+draws random batches epoch by epoch (the same recipe, not the same batches).
+
 The target is frozen; the drafter shares its embedding and LM head (frozen too). Each step:
-- the target runs a plain causal forward over a batch of self-distilled sequences (dspark.data) and
-  returns its logits and the outputs of `target_layer_ids` (the drafter's context features);
+- the target runs a plain causal forward over a batch of self-distilled sequences (dspark.data;
+  BatchOrder) and returns its logits and the outputs of `target_layer_ids` (the drafter's context
+  features);
 - up to `num_anchors` random response positions per sequence become blocks [x_p, mask x (K-1)],
   all drafted in one forward under DeepSpec's block mask; slot k is labelled x_{p+k+1};
 - the Markov head adds its bias with teacher forcing (the true previous token);
@@ -46,9 +52,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +84,7 @@ class TrainConfig:
     """The recipe: everything that decides the trained weights (a resumed run must match it)."""
     steps: int = 6000
     batch_size: int = 64  # sequences per step
-    bucket_batches: int = 16  # batches drawn together and sorted by length (see BatchOrder)
+    bucket_batches: int = 1  # batches drawn together and sorted by length (see BatchOrder); 1: random
     num_anchors: int = 64  # blocks per sequence (fewer when the response is shorter)
     lr: float = 1e-3
     warmup: float = 0.04  # fraction of the steps
@@ -122,13 +130,16 @@ class Batch:
 
 class BatchOrder:
     """Which sequences each step trains on. Every epoch is a seeded permutation of the sequences,
-    cut into runs of `config.bucket_batches` batches; each run is sorted by length and cut into batches, and
-    the epoch's batches are shuffled. So every sequence is seen once an epoch (but for the last
-    len % batch_size of the permutation), and a batch holds sequences of similar lengths: padded
-    to its longest, a batch of random sequences was 2.2 times its real tokens on the self-distilled
-    data (short prompts beside stdlib code of up to 512 tokens), the target's forward with it.
-    bucket_batches = 1 gives batches of random sequences. A function of (lengths, config, step), so
-    a resumed run sees the same batches."""
+    cut into runs of `config.bucket_batches` batches; each run is sorted by length and cut into
+    batches, and the epoch's batches are shuffled. So every sequence is seen once an epoch (but for
+    the last len % batch_size of the permutation). With bucket_batches = 1 (the default) a batch
+    holds random sequences, padded to its longest: 2.2 times its real tokens on the self-distilled
+    data's lengths (short chat prompts beside stdlib code of up to 512 tokens); with 16, 1.26 times,
+    and the target's forward shrinks with it. But buckets of similar lengths are batches of similar
+    prompts (the long ones are code), and the sixth training run (docs/performance.md), the one with
+    buckets, reached lower estimates at a given step than earlier runs' random batches, by more than
+    its 1.15x steps a second could make up (not an A/B: its schedule differed). A function of
+    (lengths, config, step), so a resumed run sees the same batches."""
 
     def __init__(self, lengths: list[int], config: TrainConfig):
         if len(lengths) < config.batch_size:
@@ -468,7 +479,9 @@ class TimeBudget:
     """A `stop` callback: says stop once the next step (or generation batch) would end after
     `deadline` (time.monotonic(); None: never), judging a step's length by the time between the
     last two calls. The first step is not a guide (it compiles), so it never stops the second.
-    `steps_left()` says how many steps of the mean length over the last `window` calls still fit."""
+    `steps_left()` says how many steps of the median length over the last `window` steps still fit:
+    the median, because a step that compiles again (a new batch length can, early in a run) takes
+    tens of seconds; a fit by the mean scheduled 2,483 steps where about 8,800 fitted."""
 
     def __init__(self, deadline: float | None, window: int = 200):
         self.deadline = deadline
@@ -485,12 +498,12 @@ class TimeBudget:
     def steps_left(self) -> int:
         if self.deadline is None or len(self.times) < 2:
             raise RuntimeError("steps_left needs a deadline and two calls")
-        step_seconds = (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+        step_seconds = statistics.median(b - a for a, b in itertools.pairwise(self.times))
         return max(0, int((self.deadline - self.times[-1]) / step_seconds))
 
 
 # Fitting the schedule to a time budget (train's fit_schedule): after this many steps of a call
-# (the first few compile; TimeBudget averages the last 200), with this share of the time left.
+# (the first few compile; TimeBudget takes the median of the last 200), with this share of the time left.
 FIT_AFTER_STEPS = 220
 FIT_MARGIN = 0.97  # for the held-out checks and the last save, which the step times leave out
 

@@ -168,14 +168,15 @@ def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
     assert not any(training.TimeBudget(None)(step) for step in range(3))
 
 
-def test_time_budget_counts_the_steps_left_at_the_mean_step_length(monkeypatch):
+def test_time_budget_counts_the_steps_left_at_the_median_step_length(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(training.time, "monotonic", lambda: now[0])
-    budget = training.TimeBudget(deadline=100.0, window=4)
-    for t in (0.0, 30.0, 31.0, 33.0, 34.0, 36.0):  # a compiling step, then 1 s and 2 s steps
+    monkeypatch.setattr(training, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    budget = training.TimeBudget(deadline=100.0, window=5)
+    # a compiling step, then steps of 1 and 2 s and one that compiles again (40 s)
+    for t in (0.0, 30.0, 31.0, 33.0, 73.0, 74.0, 76.0):
         now[0] = t
         budget(0)
-    assert budget.steps_left() == 42  # the last 4 steps took 1.5 s on average; 64 s are left
+    assert budget.steps_left() == 12  # 24 s left at 2 s a step; the mean step (9.2 s) would leave 2
     with pytest.raises(RuntimeError, match="deadline"):
         training.TimeBudget(None).steps_left()
 
