@@ -484,14 +484,14 @@ class TimeBudget:
     tens of seconds; a fit by the mean scheduled 2,483 steps where about 8,800 fitted."""
 
     def __init__(self, deadline: float | None, window: int = 200):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.deadline = deadline
-        self.calls = 0
-        self.times: collections.deque[float] = collections.deque(maxlen=window + 1)
+        self.times: collections.deque[float] = collections.deque(maxlen=window + 1)  # the last calls
 
     def __call__(self, step: int) -> bool:
         now = time.monotonic()
-        step_seconds = 0.0 if self.calls < 2 else now - self.times[-1]
-        self.calls += 1
+        step_seconds = 0.0 if len(self.times) < 2 else now - self.times[-1]
         self.times.append(now)
         return self.deadline is not None and now + step_seconds > self.deadline
 
