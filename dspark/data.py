@@ -212,7 +212,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
     """Generates `responses_per_prompt` target responses to every prompt (rendered token ids; see
     response_params), `batch_size` per batch, appending each batch to the JSONL cache at `path`.
     Batches take the prompts in order of length, so a batch's KV cache is as short as its longest
-    prompt allows and its prefill has few distinct lengths. Before each batch `stop(number of
+    prompt allows and its prefill has few distinct lengths; on CUDA each batch's steps replay a
+    CUDA graph (eager, a step of 2048 rows takes 1.7-2.8x as long). Before each batch `stop(number of
     responses so far)` may end the call; `progress(n)` hears of n more responses. Returns whether
     all are done and the sequences: all of them in prompt order, or those so far."""
     if responses_per_prompt < 1:
@@ -227,6 +228,7 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
         progress(len(sequences))
     path.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpeculativeDecoder(target, None)
+    graphs = decoder.device.type == "cuda"  # eager, a batch of 2048 is bound by its kernel launches
     rewritten = path.with_suffix(".tmp")  # without a half-written last line; replaces the cache at once
     rewritten.write_text(json.dumps(settings) + "\n" + "".join(_cache_line(s) for s in sequences))
     os.replace(rewritten, path)
@@ -237,7 +239,7 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
             indices = order[begin:begin + batch_size]
             batch = [prompts[i] for i in indices]
             params = [response_params(i, responses_per_prompt, seed, max_tokens, stop_token_ids) for i in indices]
-            for prompt, result in zip(batch, decoder.generate(batch, params)):
+            for prompt, result in zip(batch, decoder.generate(batch, params, cuda_graph=graphs)):
                 sequences.append(Sequence(prompt + result.tokens, len(prompt)))
                 cache.write(_cache_line(sequences[-1]))
             cache.flush()

@@ -7,7 +7,9 @@ values), so torch.compile compiles it whole and a CUDA graph can capture it:
     ->  drafter block  ->  ancestral drafting + proposal write
 
 The host loop prefills each request, runs steps, and applies stop tokens, stop strings and
-max_tokens token by token, so a request ends exactly where plain decoding would end it.
+max_tokens token by token, so a request ends exactly where plain decoding would end it. On CUDA it
+can replay the step from a CUDA graph (`capture_step`; a large batch's eager step is bound by its
+kernel launches).
 `drafter=None` (K = 0) runs the same step without speculation: the baseline of every benchmark.
 """
 from __future__ import annotations
@@ -76,6 +78,27 @@ class StopCondition:
                 result.finish_reason, result.finished = reason, True
                 break
         return taken
+
+
+def capture_step(step: Callable, args: tuple, scratch: torch.Tensor, pool=None):
+    """A CUDA graph of `step(*args)`, whose inputs are buffers that never move -> (graph, outputs);
+    a replay runs the step on the buffers' current values and writes `outputs` in place. The step
+    runs twice on a side stream to warm up (compiling it, if compiled) before it is recorded. That
+    leaves what one plain call leaves, because the step is a function of its buffers (noise keyed by
+    seeds and positions) and a rerun writes the same cache entries; only `scratch` (the proposals
+    each run overwrites) is put back before each rerun. `pool`: a memory pool to share."""
+    saved = scratch.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(*args)
+            scratch.copy_(saved)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = step(*args)
+    return graph, outputs
 
 
 def _compile_step(step: Callable) -> Callable:
@@ -204,13 +227,17 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 cuda_graph: bool = False) -> list[GenerationResult]:
         """Decodes every prompt to completion. `on_tokens(i, new_tokens)` streams request i's
-        tokens as they are accepted."""
+        tokens as they are accepted. `cuda_graph`: replay the step from a CUDA graph captured for
+        this call (CUDA only; the same tokens as eager steps)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs a CUDA device, the decoder is on {self.device}")
         params = params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -239,14 +266,20 @@ class SpeculativeDecoder:
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
             self._emit(i, [token], results, stops, active, on_tokens)
-        tokens = anchor[:, None]
+        tokens = anchor[:, None].clone()
         if self.drafter is not None:
             drafts = self.draft(anchor, start, draft_probs, sampling)
             tokens = torch.cat([tokens, drafts], dim=1)
+        step = self.step
+        if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
+            graph, outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
+
+            def step(*_):
+                graph.replay()
+                return outputs
 
         while active.any():
-            emitted, num_accepted, next_tokens, next_start = self.step(
-                tokens, start, draft_probs, sampling)
+            emitted, num_accepted, next_tokens, next_start = step(tokens, start, draft_probs, sampling)
             emitted_host, accepted_host = emitted.cpu(), num_accepted.cpu()
             for i in active.nonzero().flatten().tolist():
                 n = int(accepted_host[i])
@@ -256,8 +289,8 @@ class SpeculativeDecoder:
                     results[i].accepted_per_position[pos] += 1
             # Finished rows stay in the static batch, frozen: same inputs, same cache positions.
             keep = active.to(device)
-            tokens = torch.where(keep[:, None], next_tokens, tokens)
-            start = torch.where(keep, next_start, start)
+            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
+            start.copy_(torch.where(keep, next_start, start))
         return results
 
     def _cache_shape(self, batch: int, length: int) -> tuple[int, int]:

@@ -55,6 +55,7 @@ import functools
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import time
@@ -352,6 +353,14 @@ def make_student(name: str, target: TargetModel, config: DrafterConfig, train: T
     return Student(name, drafter, optimizer, LambdaLR(optimizer, warmup_cosine(train.steps, train.warmup)))
 
 
+def make_students(target: TargetModel, config: DrafterConfig, train: TrainConfig) -> list[Student]:
+    """The drafter, and its rank-0 twin when the recipe asks for one."""
+    students = [make_student("drafter", target, config, train)]
+    if train.rank0_twin:
+        students.append(make_student("drafter-rank0", target, dataclasses.replace(config, markov_rank=0), train))
+    return students
+
+
 def autocast(device: torch.device):
     """bf16 autocast on GPU (fp32 master weights); CPU runs in fp32."""
     if device.type == "cuda":
@@ -410,6 +419,24 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
         student.scheduler.step()
         collected.append(stats)
     return collected
+
+
+def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: TrainConfig,
+                  compile: str | None = None) -> None:
+    """Compiles the training step before its data exists (`python -m dspark.train` runs it while
+    the data is generated): the forward and backward of fresh students on a batch of random tokens,
+    whose gradients are dropped. The step's compiled functions take the students as arguments and
+    the batch length as dynamic, so train's students and batches reuse what this compiled."""
+    target.requires_grad_(False)
+    device = target.embed_tokens.weight.device
+    students = make_students(target, drafter_config, config)
+    generator = torch.Generator().manual_seed(config.seed)
+    length = 2 * LENGTH_MULTIPLE  # a response of LENGTH_MULTIPLE tokens after a prompt of as many
+    fake = [Sequence(torch.randint(target.config.vocab_size, (length,), generator=generator).tolist(),
+                     LENGTH_MULTIPLE) for _ in range(config.batch_size)]
+    batch = make_batch(fake, 0, config, drafter_config.block_size).to(device)
+    for _, loss, _ in student_losses(target, students, batch, config, compile):
+        loss.backward()
 
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
@@ -533,10 +560,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
     target.drop_caches()  # the self-distillation decoder left its KV caches
-    students = [make_student("drafter", target, drafter_config, config)]
-    if config.rank0_twin:
-        twin_config = dataclasses.replace(drafter_config, markov_rank=0)
-        students.append(make_student("drafter-rank0", target, twin_config, config))
+    students = make_students(target, drafter_config, config)
     checkpoint = out / CHECKPOINT
     if checkpoint.exists() and not resume:
         raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
@@ -636,19 +660,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    started = time.monotonic()
-    args = parse_args(argv)
-    deadline = None if args.time_budget_s is None else started + args.time_budget_s
+def load_target(args: argparse.Namespace) -> tuple[TargetModel, object]:
+    """The default target (bf16 on CUDA, fp32 on the CPU) and its tokenizer."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, tokenizer = load_default_target(dtype=dtype, device=device)
-    target.eval()
+    return target.eval(), tokenizer
 
+
+def generate_data(args: argparse.Namespace, deadline: float | None,
+                  models: tuple[TargetModel, object] | None = None) -> tuple[list[Sequence], list[Sequence]] | None:
+    """The training and held-out sequences: the target's responses to their prompts, generated into
+    (or read from) the caches in args.out; None when the deadline comes first. `models`: the target
+    and tokenizer (default: loaded)."""
+    target, tokenizer = models or load_target(args)
     prompts = [p for p in render(tokenizer, training_prompts(args.num_prompts, seed=args.seed))
                if len(p) <= args.max_prompt_tokens]
     total = len(prompts) * args.responses_per_prompt
-    began = time.monotonic()
     with tqdm(total=total, desc="self-distill", dynamic_ncols=True, mininterval=2.0) as bar:
         sequences, done = self_distill(target, prompts, args.out / "sequences.jsonl", max_tokens=args.max_tokens,
                                        seed=args.seed, stop_token_ids=tokenizer.eos_token_ids,
@@ -658,23 +686,43 @@ def main(argv=None) -> None:
     if not done:
         print(f"time budget reached after {len(sequences)} of {total} responses; "
               "run again (with --resume) to continue")
-        return
-    responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
-    print(f"{len(sequences)} sequences from {len(prompts)} prompts, {responses} response tokens "
-          f"(this call: {time.monotonic() - began:.0f} s, loading {began - started:.0f} s)")
+        return None
     heldout = [p for p in render(tokenizer, heldout_prompts()[:args.heldout_prompts])
                if len(p) <= args.max_prompt_tokens]
     if heldout:
         heldout, _ = self_distill(target, heldout, args.out / "heldout.jsonl", max_tokens=args.max_tokens,
                                   seed=args.seed, stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=2,
                                   batch_size=args.gen_batch_size)
+    return sequences, heldout
 
+
+def main(argv=None) -> None:
+    started = time.monotonic()
+    args = parse_args(argv)
+    deadline = None if args.time_budget_s is None else started + args.time_budget_s
+    # The data is generated in a process of its own while this one compiles the training step.
+    generation = multiprocessing.get_context("spawn").Process(target=generate_data, args=(args, deadline),
+                                                              name="self-distill")
+    generation.start()
+    target, tokenizer = load_target(args)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     mask_token_id = tokenizer.token_to_id(MASK_TOKEN)
     if mask_token_id is None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
                                             args.markov_rank)
+    compile_ahead(target, drafter_config, config, args.compile)
+    print(f"training step compiled at {time.monotonic() - started:.0f} s")
+    generation.join()
+    if generation.exitcode != 0:
+        raise SystemExit(f"the data generation process failed (exit code {generation.exitcode})")
+    data = generate_data(args, deadline, (target, tokenizer))  # as cached by the generation process
+    if data is None:
+        return
+    sequences, heldout = data
+    responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
+    print(f"{len(sequences)} sequences, {responses} response tokens, and {len(heldout)} held-out sequences "
+          f"at {time.monotonic() - started:.0f} s")
     train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
           save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every,
           compile=args.compile, fit_schedule=args.fit_steps)

@@ -229,6 +229,27 @@ def test_bad_arguments_raise():
         decoder.generate([[1, 99]])
     with pytest.raises(ValueError, match="need a tokenizer"):
         decoder.generate([[1]], SamplingParams(stop="x"))
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+        decoder.generate([[1]], cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 4])
+def test_generate_replayed_from_a_cuda_graph_equals_eager_steps(k):
+    """cuda_graph=True (self-distillation's generation on the GPU): the same tokens and acceptance
+    counts as eager steps, for greedy and seeded sampled rows of other lengths in one batch, some
+    ending early at a stop token."""
+    target, drafter = tiny_pair(vocab=64)
+    target.cuda(), drafter.cuda()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+    params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, stop_token_ids=[7])
+              for i in range(len(prompts))]
+    decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k)
+    eager = decoder.generate(prompts, params)
+    graphed = decoder.generate(prompts, params, cuda_graph=True)
+    assert [(r.tokens, r.accepted_per_position) for r in graphed] == \
+        [(r.tokens, r.accepted_per_position) for r in eager]
+    assert {r.finish_reason for r in eager} == {"stop", "length"}
 
 
 def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():

@@ -8,11 +8,8 @@ rows first runs a small bucket while few requests are in flight. The step's inpu
 that never move (tokens, start, draft_probs and the sampling tensors, updated in place), so a CUDA
 graph replays on the addresses it was captured with.
 
-A graph is captured at the first step of its key: the step runs twice on a side stream to warm up
-(compiling it, if the decoder compiles), then is recorded and replayed. That gives what one plain
-call gives, because the step is a function of its buffers (noise keyed by seeds and positions) and a
-rerun with the same inputs writes the same cache entries; only the proposals it overwrites are put
-back before each rerun.
+A graph is captured at the first step of its key (dspark.decoder.capture_step: two warm-up runs,
+then the recording) and replayed from then on; the graphs share one memory pool.
 """
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ import dataclasses
 
 import torch
 
-from dspark.decoder import SpeculativeDecoder
+from dspark.decoder import SpeculativeDecoder, capture_step
 from dspark.sampling import SamplingParams, SamplingTensors
 
 IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a row no request uses
@@ -100,16 +97,6 @@ class StepRunner:
         return outputs
 
     def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        proposals = self.draft_probs.clone()  # what each warm-up run overwrites
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.decoder.step(*args)
-                self.draft_probs.copy_(proposals)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.decoder.step(*args)
+        graph, outputs = capture_step(self.decoder.step, args, self.draft_probs, self._pool)
         self._pool = graph.pool()
         return graph, outputs
