@@ -3,6 +3,7 @@ T > 0 (chi-square on the joint law of the first three emitted tokens, with a neg
 stop conditions, and the compiled step."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -242,9 +243,11 @@ def test_generate_replayed_from_a_cuda_graph_equals_eager_steps(k):
     target, drafter = tiny_pair(vocab=64)
     target.cuda(), drafter.cuda()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
-    params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, stop_token_ids=[7])
-              for i in range(len(prompts))]
     decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k)
+    params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    stop = decoder.generate(prompts, params)[0].tokens[5]  # a token the first row emits
+    params = [dataclasses.replace(p, stop_token_ids=[stop]) for p in params]
     eager = decoder.generate(prompts, params)
     graphed = decoder.generate(prompts, params, cuda_graph=True)
     assert [(r.tokens, r.accepted_per_position) for r in graphed] == \
