@@ -380,15 +380,21 @@ def compiled(fn: Callable, dynamic: bool | None = True) -> Callable:
     return torch.compile(fn, dynamic=dynamic)
 
 
+def compile_mode(target: TargetModel, compile: str | None) -> str:
+    """`compile`, checked, or the default on the target's device: "all" on the GPU, "none" on the CPU."""
+    compile = compile or ("all" if target.embed_tokens.weight.device.type == "cuda" else "none")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    return compile
+
+
 def student_losses(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
                    compile: str | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats]]:
     """(student, loss, stats) for every student on `batch`, one student at a time, so that a caller
     can backpropagate one loss before the next student's forward. The target runs once.
     `compile`: one of COMPILE_MODES (default: "all" on the GPU, "none" on the CPU)."""
     device = target.embed_tokens.weight.device
-    compile = compile or ("all" if device.type == "cuda" else "none")
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    compile = compile_mode(target, compile)
     whole = compile == "all"
     # dynamic=None for the target: dynamic=True would make the config's layer ids symbolic ints
     target_forward = compiled(target_slots, dynamic=None) if whole else target_slots
@@ -421,22 +427,27 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
     return collected
 
 
-def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: TrainConfig,
+def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: TrainConfig, longest: int,
                   compile: str | None = None) -> None:
     """Compiles the training step before its data exists (`python -m dspark.train` runs it while
-    the data is generated): the forward and backward of fresh students on a batch of random tokens,
+    the data is generated): the forward and backward of fresh students on batches of random tokens,
+    one of every padded length from 2 * LENGTH_MULTIPLE to `longest` (a sequence's most tokens),
     whose gradients are dropped. The step's compiled functions take the students as arguments and
-    the batch length as dynamic, so train's students and batches reuse what this compiled."""
+    the batch length as dynamic, but the code Inductor picks for a length can hold only up to a
+    bound on it (a guard), past which the step compiles again; after all the lengths, train's
+    students and batches reuse what this compiled. Nothing to do for compile "none"."""
+    if compile_mode(target, compile) == "none":
+        return
     target.requires_grad_(False)
     device = target.embed_tokens.weight.device
     students = make_students(target, drafter_config, config)
     generator = torch.Generator().manual_seed(config.seed)
-    length = 2 * LENGTH_MULTIPLE  # a response of LENGTH_MULTIPLE tokens after a prompt of as many
-    fake = [Sequence(torch.randint(target.config.vocab_size, (length,), generator=generator).tolist(),
-                     LENGTH_MULTIPLE) for _ in range(config.batch_size)]
-    batch = make_batch(fake, 0, config, drafter_config.block_size).to(device)
-    for _, loss, _ in student_losses(target, students, batch, config, compile):
-        loss.backward()
+    for length in range(2 * LENGTH_MULTIPLE, longest + LENGTH_MULTIPLE, LENGTH_MULTIPLE):
+        fake = [Sequence(torch.randint(target.config.vocab_size, (length,), generator=generator).tolist(),
+                         length // 2) for _ in range(config.batch_size)]  # as much response as prompt
+        batch = make_batch(fake, 0, config, drafter_config.block_size).to(device)
+        for _, loss, _ in student_losses(target, students, batch, config, compile):
+            loss.backward()
 
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
@@ -711,7 +722,7 @@ def main(argv=None) -> None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
                                             args.markov_rank)
-    compile_ahead(target, drafter_config, config, args.compile)
+    compile_ahead(target, drafter_config, config, args.max_prompt_tokens + args.max_tokens, args.compile)
     print(f"training step compiled at {time.monotonic() - started:.0f} s")
     generation.join()
     if generation.exitcode != 0:

@@ -345,6 +345,24 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
         next(training.student_losses(target, students, batch, config, "everything"))
 
 
+
+def test_after_compile_ahead_no_training_step_compiles_again(target, sequences):
+    """compile_ahead (run while the data is generated) with throwaway students: the training steps
+    of other students, on batches of every length up to its `longest`, compile nothing new. With one
+    length (128) ahead, a batch of 704 compiled the drafter's loss again."""
+    config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False)
+    target.drop_caches()
+    drafter_config = tiny_drafter_config(target)
+    training.compile_ahead(target, drafter_config, config, longest=700, compile="all")
+    graphs = counters["stats"]["unique_graphs"]
+    students = training.make_students(target, drafter_config, config)
+    generator = torch.Generator().manual_seed(0)
+    for step, length in enumerate((690, 300, 130, 512, 641)):
+        data = [Sequence(torch.randint(1, VOCAB, (length - 9 * i,), generator=generator).tolist(), 4 + i)
+                for i in range(config.batch_size)]
+        training.train_step(target, students, training.make_batch(data, step, config, 4), config, "all")
+    assert counters["stats"]["unique_graphs"] == graphs
+
 def test_compiled_slot_losses_equal_the_eager_ones():
     """train_step compiles slot_losses on the GPU: the compiled function gives the eager terms,
     acceptance and gradients (Inductor on the CPU; two block counts, one compilation)."""
