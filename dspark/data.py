@@ -1,10 +1,13 @@
 """Training data for the drafter, all offline: a prompt corpus and the target's own responses to it.
 
-Prompts come from two places:
+Prompts come from three places:
 - `assets/prompts/train.json`: templates x topics for chat, code, prose and math (math templates are
   filled with seeded random numbers), plus hand-written prompts;
 - the Python standard library on this machine: functions to explain or continue, and docstrings and
-  `pydoc_data` topics to summarise.
+  `pydoc_data` topics to summarise;
+- optionally, the target itself (`synthetic_prompts`): given its chat template up to where a user's
+  message begins, an instruction-tuned model writes user messages like those it was tuned on
+  (Magpie, Xu et al. 2024), far more varied than templates; the ones it ends itself are kept.
 `assets/prompts/heldout.jsonl` is the evaluation set. It uses other topics and templates, and its
 code comes from stdlib modules (`HELDOUT_MODULES`) that the training prompts never read.
 
@@ -165,6 +168,14 @@ def heldout_prompts(path: Path = PROMPT_DIR / "heldout.jsonl") -> list[Prompt]:
     return prompts
 
 
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens up to where a user's message begins (a system turn, if the
+    template adds one, included)."""
+    marker = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
+    return tokenizer.encode(text[:text.index(marker)])
+
+
 def render(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     """Each prompt as a single user turn in the model's chat template, ready for the reply."""
     return [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
@@ -172,6 +183,25 @@ def render(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------- self-distillation
+
+
+def synthetic_prompts(target: TargetModel, tokenizer, path: Path, count: int, *, seed: int, max_tokens: int = 96,
+                      batch_size: int = 2048, exclude: list[Prompt] = (),
+                      stop: Callable[[int], bool] | None = None) -> list[Prompt] | None:
+    """`count` user messages the target writes after user_turn_prefix (the first greedy, the others
+    at temperature 1 with seeds of their own; cached at `path` like self_distill's responses). Kept:
+    those it ends with an end-of-turn token within `max_tokens`, not blank, each text once, none
+    equal to a prompt of `exclude` (the held-out set). Domain "chat". None if `stop` ended the call."""
+    prefix = user_turn_prefix(tokenizer)
+    sequences, done = self_distill(target, [prefix], path, max_tokens=max_tokens, seed=seed,
+                                   stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=count,
+                                   batch_size=batch_size, stop=stop)
+    if not done:
+        return None
+    ends = set(tokenizer.eos_token_ids)
+    texts = [tokenizer.decode(s.tokens[s.prompt_len:-1]).strip() for s in sequences if s.tokens[-1] in ends]
+    excluded = {p.text for p in exclude}
+    return [Prompt(text, "chat") for text in dict.fromkeys(texts) if text and text not in excluded]
 
 
 def response_params(index: int, responses_per_prompt: int, seed: int, max_tokens: int,

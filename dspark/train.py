@@ -74,7 +74,7 @@ from tqdm import tqdm
 
 from dspark.checkpoint import save_drafter
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.data import Sequence, heldout_prompts, render, self_distill, training_prompts
+from dspark.data import Sequence, heldout_prompts, render, self_distill, synthetic_prompts, training_prompts
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default_target
 from dspark.target import TargetModel
@@ -653,6 +653,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
+    p.add_argument("--synthetic-prompts", type=int, default=0,
+                   help="user messages for the target to write (dspark.data.synthetic_prompts) and answer too; "
+                        "those it ends within --synthetic-max-tokens are kept")
+    p.add_argument("--synthetic-max-tokens", type=int, default=96, help="length limit of a written prompt")
     p.add_argument("--responses-per-prompt", type=int, default=6,
                    help="target responses per prompt: the first greedy, the others at temperature 1")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
@@ -671,6 +675,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cpu"
         args.steps, args.batch_size, args.num_anchors, args.save_every, args.log_every = 4, 2, 8, 2, 1
         args.num_prompts, args.max_tokens, args.gen_batch_size = 4, 12, 4
+        args.synthetic_prompts, args.synthetic_max_tokens = 8, 48
         args.heldout_prompts, args.heldout_every = 2, 2
     return args
 
@@ -689,8 +694,17 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
     (or read from) the caches in args.out; None when the deadline comes first. `models`: the target
     and tokenizer (default: loaded)."""
     target, tokenizer = models or load_target(args)
-    prompts = [p for p in render(tokenizer, training_prompts(args.num_prompts, seed=args.seed))
-               if len(p) <= args.max_prompt_tokens]
+    prompts = training_prompts(args.num_prompts, seed=args.seed)
+    if args.synthetic_prompts:
+        written = synthetic_prompts(target, tokenizer, args.out / "synthetic.jsonl", args.synthetic_prompts,
+                                    seed=args.seed, max_tokens=args.synthetic_max_tokens,
+                                    batch_size=args.gen_batch_size, exclude=heldout_prompts(),
+                                    stop=TimeBudget(deadline))
+        if written is None:
+            print("time budget reached while the target wrote prompts; run again (with --resume) to continue")
+            return None
+        prompts += written
+    prompts = [p for p in render(tokenizer, prompts) if len(p) <= args.max_prompt_tokens]
     total = len(prompts) * args.responses_per_prompt
     with tqdm(total=total, desc="self-distill", dynamic_ncols=True, mininterval=2.0) as bar:
         sequences, done = self_distill(target, prompts, args.out / "sequences.jsonl", max_tokens=args.max_tokens,

@@ -204,3 +204,13 @@ def test_gguf_add_bos_token(tmp_path):
 def test_gguf_unsupported_tokenizer_raises(tmp_path, pre, model, match):
     with pytest.raises(ValueError, match=match):
         Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", pre, model=model))
+
+
+def test_user_turn_prefix_ends_where_a_user_message_begins(tok):
+    """dspark.data.user_turn_prefix: the prompt from which the target writes a user message."""
+    from dspark.data import user_turn_prefix
+    prefix = user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=False,
+                                   tokenize=True)
+    assert tok.decode(prefix).endswith("<|im_start|>user\n")
+    assert full[:len(prefix)] == prefix and tok.decode(full[len(prefix):]).startswith("Hello there")
