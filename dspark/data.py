@@ -190,16 +190,21 @@ def synthetic_prompts(target: TargetModel, tokenizer, path: Path, count: int, *,
                       stop: Callable[[int], bool] | None = None) -> list[Prompt] | None:
     """`count` user messages the target writes after user_turn_prefix (the first greedy, the others
     at temperature 1 with seeds of their own; cached at `path` like self_distill's responses). Kept:
-    those it ends with an end-of-turn token within `max_tokens`, not blank, each text once, none
-    equal to a prompt of `exclude` (the held-out set). Domain "chat". None if `stop` ended the call."""
+    those it ends with an end-of-turn token within `max_tokens`, without special tokens inside (a
+    turn of the chat template), not blank, each text once, none equal to a prompt of `exclude` (the
+    held-out set). Domain "chat". None if `stop` ended the call."""
     prefix = user_turn_prefix(tokenizer)
     sequences, done = self_distill(target, [prefix], path, max_tokens=max_tokens, seed=seed,
                                    stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=count,
                                    batch_size=batch_size, stop=stop)
     if not done:
         return None
-    ends = set(tokenizer.eos_token_ids)
-    texts = [tokenizer.decode(s.tokens[s.prompt_len:-1]).strip() for s in sequences if s.tokens[-1] in ends]
+    ends, texts = set(tokenizer.eos_token_ids), []
+    for s in sequences:
+        body = s.tokens[s.prompt_len:-1]
+        text = tokenizer.decode(body)
+        if s.tokens[-1] in ends and text == tokenizer.decode(body, skip_special_tokens=True):
+            texts.append(text.strip())
     excluded = {p.text for p in exclude}
     return [Prompt(text, "chat") for text in dict.fromkeys(texts) if text and text not in excluded]
 

@@ -1,7 +1,10 @@
 """The real default target (SmolLM2-135M-Instruct from its GGUF): speculative decoding at T = 0 is
 token-identical to the target's own greedy decoding, with a randomly initialised drafter (which
-exercises rejections everywhere) and with the shipped, trained drafter."""
+exercises rejections everywhere) and with the shipped, trained drafter; and the prompts it writes
+for its own training data."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -60,3 +63,20 @@ def test_shipped_drafter_greedy_is_the_targets_and_accepts(default_pair, prompt,
     result = SpeculativeDecoder(target, drafter).generate([prompt], GREEDY)[0]
     assert result.tokens == target_greedy
     assert result.accepted_per_position[1] > 0  # the trained drafter gets several drafts accepted in a step
+
+
+def test_the_target_writes_prompts_that_end_and_are_kept_once(default_pair, tmp_path):
+    """dspark.data.synthetic_prompts on SmolLM2: of 12 attempts at a user message (48 tokens at most)
+    the kept ones are those the target ended itself, each text once, no template token inside; a
+    prompt given as held-out is left out, and a second call reads the cache."""
+    from dspark.data import Prompt, synthetic_prompts
+    target, _, tokenizer = default_pair
+    kept = synthetic_prompts(target, tokenizer, tmp_path / "w.jsonl", 12, seed=0, max_tokens=48, batch_size=12)
+    rows = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]
+    ended = [r for r in rows if r["tokens"][-1] in tokenizer.eos_token_ids]
+    assert len(rows) == 12 and 0 < len(kept) <= len(ended) < 12
+    assert len({p.text for p in kept}) == len(kept)
+    assert all(p.text and "<|" not in p.text for p in kept)
+    again = synthetic_prompts(target, tokenizer, tmp_path / "w.jsonl", 12, seed=0, max_tokens=48, batch_size=12,
+                              exclude=[Prompt(kept[0].text, "chat")])
+    assert again == kept[1:]
