@@ -263,7 +263,7 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
         progress(len(sequences))
     path.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpeculativeDecoder(target, None)
-    graphs = decoder.device.type == "cuda"  # eager, a batch of 2048 is bound by its kernel launches
+    graphs = decoder.device.type == "cuda"
     rewritten = path.with_suffix(".tmp")  # without a half-written last line; replaces the cache at once
     rewritten.write_text(json.dumps(settings) + "\n" + "".join(_cache_line(s) for s in sequences))
     os.replace(rewritten, path)

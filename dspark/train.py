@@ -694,11 +694,11 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
     (or read from) the caches in args.out; None when the deadline comes first. `models`: the target
     and tokenizer (default: loaded)."""
     target, tokenizer = models or load_target(args)
-    prompts = training_prompts(args.num_prompts, seed=args.seed)
+    prompts, heldout = training_prompts(args.num_prompts, seed=args.seed), heldout_prompts()
     if args.synthetic_prompts:
         written = synthetic_prompts(target, tokenizer, args.out / "synthetic.jsonl", args.synthetic_prompts,
                                     seed=args.seed, max_tokens=args.synthetic_max_tokens,
-                                    batch_size=args.gen_batch_size, exclude=heldout_prompts(),
+                                    batch_size=args.gen_batch_size, exclude=heldout,
                                     stop=TimeBudget(deadline))
         if written is None:
             print("time budget reached while the target wrote prompts; run again (with --resume) to continue")
@@ -716,7 +716,7 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
         print(f"time budget reached after {len(sequences)} of {total} responses; "
               "run again (with --resume) to continue")
         return None
-    heldout = [p for p in render(tokenizer, heldout_prompts()[:args.heldout_prompts])
+    heldout = [p for p in render(tokenizer, heldout[:args.heldout_prompts])
                if len(p) <= args.max_prompt_tokens]
     if heldout:
         heldout, _ = self_distill(target, heldout, args.out / "heldout.jsonl", max_tokens=args.max_tokens,
