@@ -33,7 +33,8 @@ length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same
 argmax agreements ("greedy AL"); `log.jsonl` keeps them.
 Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
 answered by the target like the training prompts, never trained on) show how well the drafter
-generalizes beyond the sequences it has seen.
+generalizes beyond the sequences it has seen, separately on each prompt's greedy response (the text
+a decode at T = 0 walks: read its "greedy AL") and on its sampled one (what T = 1 meets: read "AL").
 
 Resumable: `OUT/checkpoint.pt` (every --save-every steps and when --time-budget-s runs out) holds
 the trainable weights, the optimizer and scheduler states and the step. The batch order and the
@@ -74,7 +75,7 @@ from tqdm import tqdm
 
 from dspark.checkpoint import save_drafter
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.data import Sequence, heldout_prompts, render, self_distill, synthetic_prompts, training_prompts
+from dspark.data import Prompt, Sequence, heldout_prompts, render, self_distill, synthetic_prompts, training_prompts
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default_target
 from dspark.target import TargetModel
@@ -561,12 +562,12 @@ def fit_schedule_to(budget: TimeBudget, step: int, students: list[Student], conf
 
 def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Sequence], out: Path,
           config: TrainConfig, resume: bool = False, stop: Callable[[int], bool] | None = None,
-          save_every: int = 500, log_every: int = 10, heldout: list[Sequence] | None = None,
+          save_every: int = 500, log_every: int = 10, heldout: dict[str, list[Sequence]] | None = None,
           heldout_every: int = 500, compile: str | None = None, fit_schedule: bool = False) -> list[Student]:
     """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
     `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
     `save_every` steps and at the end, logs means over `log_every` steps to out/log.jsonl, and the
-    estimates on the `heldout` sequences every `heldout_every` steps and at the last step; exports
+    estimates on each named set of `heldout` sequences every `heldout_every` steps and at the last step; exports
     to out/<name>; returns the students. `compile`: see student_losses. `fit_schedule`: `stop` is a
     TimeBudget, and FIT_AFTER_STEPS steps into this call the total becomes the steps that fit in it
     (fit_schedule_to), so the learning rate's decay ends with the budget."""
@@ -583,7 +584,8 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     fit_at = step + FIT_AFTER_STEPS if fit_schedule else None
 
     device = target.embed_tokens.weight.device
-    checks = heldout_batches(heldout, config, drafter_config.block_size) if heldout else []
+    checks = {name: heldout_batches(subset, config, drafter_config.block_size)
+              for name, subset in (heldout or {}).items() if subset}
     order = BatchOrder([len(s.tokens) for s in sequences], config)
     window = [Stats() for _ in students]
     bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, mininterval=2.0)
@@ -610,9 +612,10 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 log.flush()
                 window = [Stats() for _ in students]
             if checks and (step % heldout_every == 0 or step == config.steps):
-                summaries = {s.name: h.summary() for s, h in zip(students, evaluate_students(
-                    target, students, checks, config))}
-                bar.write(f"held-out, step {step}: {progress_line(summaries)}")
+                summaries = {name: {s.name: h.summary() for s, h in zip(students, evaluate_students(
+                    target, students, batches, config))} for name, batches in checks.items()}
+                for name, summary in summaries.items():
+                    bar.write(f"held-out {name}, step {step}: {progress_line(summary)}")
                 log.write(json.dumps({"step": step, "heldout": summaries}) + "\n")
                 log.flush()
             if step % save_every == 0:
@@ -689,10 +692,11 @@ def load_target(args: argparse.Namespace) -> tuple[TargetModel, object]:
 
 
 def generate_data(args: argparse.Namespace, deadline: float | None,
-                  models: tuple[TargetModel, object] | None = None) -> tuple[list[Sequence], list[Sequence]] | None:
-    """The training and held-out sequences: the target's responses to their prompts, generated into
-    (or read from) the caches in args.out; None when the deadline comes first. `models`: the target
-    and tokenizer (default: loaded)."""
+                  models: tuple[TargetModel, object] | None = None
+                  ) -> tuple[list[Sequence], dict[str, list[Sequence]]] | None:
+    """The training sequences and the held-out ones (heldout_sequences): the target's responses to
+    their prompts, generated into (or read from) the caches in args.out; None when the deadline comes
+    first. `models`: the target and tokenizer (default: loaded)."""
     target, tokenizer = models or load_target(args)
     prompts, heldout = training_prompts(args.num_prompts, seed=args.seed), heldout_prompts()
     if args.synthetic_prompts:
@@ -716,13 +720,22 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
         print(f"time budget reached after {len(sequences)} of {total} responses; "
               "run again (with --resume) to continue")
         return None
-    heldout = [p for p in render(tokenizer, heldout[:args.heldout_prompts])
-               if len(p) <= args.max_prompt_tokens]
-    if heldout:
-        heldout, _ = self_distill(target, heldout, args.out / "heldout.jsonl", max_tokens=args.max_tokens,
-                                  seed=args.seed, stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=2,
-                                  batch_size=args.gen_batch_size)
-    return sequences, heldout
+    return sequences, heldout_sequences(target, tokenizer, heldout[:args.heldout_prompts], args.out / "heldout.jsonl",
+                                        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                                        seed=args.seed, batch_size=args.gen_batch_size)
+
+
+def heldout_sequences(target: TargetModel, tokenizer, prompts: list[Prompt], path: Path, *, max_prompt_tokens: int,
+                      max_tokens: int, seed: int, batch_size: int) -> dict[str, list[Sequence]]:
+    """The target's two responses to every held-out prompt of at most `max_prompt_tokens`, generated
+    into (or read from) the cache at `path`, by kind: "greedy", the text a decode at T = 0 walks, and
+    "sampled", at temperature 1. Their estimates part ways: a drafter can gain on one and not the other."""
+    rendered = [p for p in render(tokenizer, prompts) if len(p) <= max_prompt_tokens]
+    if not rendered:
+        return {}
+    sequences, _ = self_distill(target, rendered, path, max_tokens=max_tokens, seed=seed,
+                                stop_token_ids=tokenizer.eos_token_ids, responses_per_prompt=2, batch_size=batch_size)
+    return {"greedy": sequences[0::2], "sampled": sequences[1::2]}  # response_params: each prompt's first is greedy
 
 
 def main(argv=None) -> None:
@@ -750,8 +763,8 @@ def main(argv=None) -> None:
         return
     sequences, heldout = data
     responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
-    print(f"{len(sequences)} sequences, {responses} response tokens, and {len(heldout)} held-out sequences "
-          f"at {time.monotonic() - started:.0f} s")
+    print(f"{len(sequences)} sequences, {responses} response tokens, and "
+          f"{sum(map(len, heldout.values()))} held-out sequences at {time.monotonic() - started:.0f} s")
     train(target, drafter_config, sequences, args.out, config, resume=args.resume, stop=TimeBudget(deadline),
           save_every=args.save_every, log_every=args.log_every, heldout=heldout, heldout_every=args.heldout_every,
           compile=args.compile, fit_schedule=args.fit_steps)

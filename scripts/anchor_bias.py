@@ -8,13 +8,16 @@ anchors; the decoder's AL is its mean over the visited ones. This prints both, a
 actual decode of the same prompts (the walk's figure equals it where the float32 forwards agree).
 
     python scripts/anchor_bias.py --num-prompts 12      # CPU, float32, the shipped drafter
+    python scripts/anchor_bias.py --num-prompts 12 --drafter RUN/drafter
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
+from dspark.checkpoint import load_drafter
 from dspark.data import heldout_prompts, render
 from dspark.decoder import SpeculativeDecoder
 from dspark.loading import load_default
@@ -50,8 +53,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=12, help="the first N held-out prompts")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=7)
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="a DeepSpec-format drafter folder (default: the shipped drafter)")
     args = parser.parse_args()
     target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
+    if args.drafter is not None:
+        drafter = load_drafter(args.drafter, target)
     prompts = render(tokenizer, heldout_prompts()[:args.num_prompts])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop_token_ids=tokenizer.eos_token_ids)
     results = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.k).generate(prompts, params)

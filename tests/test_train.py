@@ -74,7 +74,7 @@ def test_training_lowers_the_loss_and_raises_the_acceptance_length(target, seque
     heldout, _ = self_distill(target, random_prompts(8, seed=4), tmp_path / "heldout.jsonl", max_tokens=24, seed=1,
                               stop_token_ids=[])
     drafter, twin = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, log_every=5,
-                                   heldout=heldout, heldout_every=25)
+                                   heldout={"greedy": heldout}, heldout_every=25)
     after = greedy_acceptance_length(target, drafter.drafter)
 
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -89,7 +89,8 @@ def test_training_lowers_the_loss_and_raises_the_acceptance_length(target, seque
     # Held-out estimates at steps 25, 50 and the last; they rise too (the prompts were never trained on).
     checks = [row for row in log if "heldout" in row]
     assert [row["step"] for row in checks] == [25, 50, 60]
-    assert checks[-1]["heldout"]["drafter"]["al_estimate"] > checks[0]["heldout"]["drafter"]["al_estimate"]
+    first, last = checks[0]["heldout"]["greedy"]["drafter"], checks[-1]["heldout"]["greedy"]["drafter"]
+    assert last["al_greedy_estimate"] > first["al_greedy_estimate"]
 
 
 def test_resume_reproduces_the_uninterrupted_run(target, sequences, tmp_path):
@@ -423,3 +424,7 @@ def test_the_command_line_runs_end_to_end_on_the_default_target(tmp_path):
     steps = [row["step"] for row in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
              if "loss" in row.get("drafter", {})]
     assert steps == [1, 2, 3, 4]
+    # The held-out estimates at steps 2 and 4, on each held-out prompt's greedy and sampled response.
+    checks = [row for row in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "heldout" in row]
+    assert [(row["step"], sorted(row["heldout"])) for row in checks] == [(2, ["greedy", "sampled"]),
+                                                                          (4, ["greedy", "sampled"])]
