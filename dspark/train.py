@@ -114,11 +114,17 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
-                           markov_rank: int = 64) -> DrafterConfig:
+                           markov_rank: int = 64, target_layer_ids: list[int] | None = None) -> DrafterConfig:
+    """The drafter trained for `target`; its features come from `target_layer_ids` (default:
+    build_target_layer_ids), of which none may be the target's last layer."""
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_layers)
+    elif not all(0 <= i <= target.num_hidden_layers - 2 for i in target_layer_ids):
+        raise ValueError(f"target_layer_ids {target_layer_ids} must lie in 0..{target.num_hidden_layers - 2} "
+                         f"(the target has {target.num_hidden_layers} layers; the last one's output is post-norm)")
     return DrafterConfig.for_target(
         target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
-        target_layer_ids=build_target_layer_ids(target.num_hidden_layers, num_layers),
-        mask_token_id=mask_token_id, enable_confidence_head=True)
+        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, enable_confidence_head=True)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -655,6 +661,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--target-layer-ids", type=lambda text: [int(i) for i in text.split(",")], default=None,
+                   help="the target layers whose outputs the drafter reads, e.g. 25,26,27 "
+                        "(default: one per drafter layer, spread over 1..n-3)")
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
     p.add_argument("--synthetic-prompts", type=int, default=0,
                    help="user messages for the target to write (dspark.data.synthetic_prompts) and answer too; "
@@ -752,7 +761,7 @@ def main(argv=None) -> None:
     if mask_token_id is None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
-                                            args.markov_rank)
+                                            args.markov_rank, args.target_layer_ids)
     compile_ahead(target, drafter_config, config, args.max_prompt_tokens + args.max_tokens, args.compile)
     print(f"training step compiled at {time.monotonic() - started:.0f} s")
     generation.join()

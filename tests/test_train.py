@@ -220,6 +220,16 @@ def test_default_drafter_config_fits_the_size_budget():
     assert 2 * saved <= 40e6  # bytes in bf16
 
 
+def test_target_layer_ids_can_be_chosen_but_never_the_last_layer():
+    smollm2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
+    late = training.default_drafter_config(smollm2, 16, target_layer_ids=[25, 26, 27])
+    assert late.target_layer_ids == [25, 26, 27]
+    with pytest.raises(ValueError, match=r"\[26, 28, 29\] must lie in 0..28"):
+        training.default_drafter_config(smollm2, 16, target_layer_ids=[26, 28, 29])
+    assert training.parse_args(["--out", "x", "--target-layer-ids", "25,26,27"]).target_layer_ids == [25, 26, 27]
+
+
 def test_target_layer_ids_follow_z_labs_spacing():
     assert training.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B DFlash's published ids
     assert training.build_target_layer_ids(30, 1) == [15]
