@@ -431,10 +431,10 @@ def test_the_command_line_runs_end_to_end_on_the_default_target(tmp_path):
     lines = (tmp_path / "sequences.jsonl").read_text().splitlines()
     num_prompts = json.loads(lines[0])["num_prompts"]
     assert 4 < num_prompts <= 4 + 8 and len(lines) == 1 + num_prompts * 6  # the 4 and those it ended
-    steps = [row["step"] for row in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
-             if "loss" in row.get("drafter", {})]
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in log if "loss" in row.get("drafter", {})]
     assert steps == [1, 2, 3, 4]
     # The held-out estimates at steps 2 and 4, on each held-out prompt's greedy and sampled response.
-    checks = [row for row in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "heldout" in row]
+    checks = [row for row in log if "heldout" in row]
     assert [(row["step"], sorted(row["heldout"])) for row in checks] == [(2, ["greedy", "sampled"]),
                                                                           (4, ["greedy", "sampled"])]
