@@ -41,7 +41,10 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
     config = _read_config(config_file)
-    _check_fits_target(config, target.config, config_file)
+    try:
+        _check_fits_target(config, target.config)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
     tensors = _read_tensors(folder)
 
     reference = target.embed_tokens.weight
@@ -98,23 +101,16 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return window if all(switches) else None
 
 
-def _check_fits_target(config: DrafterConfig, target: TargetConfig, config_file: Path) -> None:
+def _check_fits_target(config: DrafterConfig, target: TargetConfig) -> None:
     for key in ("vocab_size", "hidden_size"):
         if getattr(config, key) != getattr(target, key):
-            raise ValueError(f"{config_file}: {key} {getattr(config, key)} does not match the target's "
-                             f"{getattr(target, key)}")
+            raise ValueError(f"{key} {getattr(config, key)} does not match the target's {getattr(target, key)}")
     layers = target.num_hidden_layers
     if config.num_target_layers is not None and config.num_target_layers != layers:
-        raise ValueError(f"{config_file}: num_target_layers {config.num_target_layers} does not match the "
-                         f"target's {layers} layers")
-    # DeepSpec forbids the last layer: its drafters never see it (HF's last hidden state is post-norm).
-    if not all(-1 <= i <= layers - 2 for i in config.target_layer_ids):
-        raise ValueError(f"{config_file}: target_layer_ids {config.target_layer_ids} are out of range for a "
-                         f"{layers}-layer target: ids run from -1 (embeddings) to {layers - 2} (the last "
-                         f"layer is excluded, as in DeepSpec)")
+        raise ValueError(f"num_target_layers {config.num_target_layers} does not match the target's {layers} layers")
+    config.check_target_layers(layers)
     if not 0 <= config.mask_token_id < config.vocab_size:
-        raise ValueError(f"{config_file}: mask_token_id {config.mask_token_id} is outside the vocabulary "
-                         f"[0, {config.vocab_size})")
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the vocabulary [0, {config.vocab_size})")
 
 
 def _read_tensors(folder: Path) -> StoredTensors:

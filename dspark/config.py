@@ -115,8 +115,18 @@ class DrafterConfig(TargetConfig):
         ids = list(self.target_layer_ids)
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
             raise ValueError(f"target_layer_ids must be non-empty and strictly increasing: {ids}")
+        if self.num_target_layers is not None:
+            self.check_target_layers(self.num_target_layers)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def check_target_layers(self, num_target_layers: int) -> None:
+        """The features must come from a target of `num_target_layers` layers: ids run from -1 (the
+        embeddings) to the last layer but one, as in DeepSpec (HF's last hidden state is post-norm)."""
+        if not all(-1 <= i <= num_target_layers - 2 for i in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} are out of range for a {num_target_layers}-"
+                             f"layer target: ids run from -1 (embeddings) to {num_target_layers - 2} (the last "
+                             f"layer is excluded, as in DeepSpec)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":

@@ -116,12 +116,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
                            markov_rank: int = 64, target_layer_ids: list[int] | None = None) -> DrafterConfig:
     """The drafter trained for `target`; its features come from `target_layer_ids` (default:
-    build_target_layer_ids), of which none may be the target's last layer."""
+    build_target_layer_ids), of which none may be the target's last layer (DrafterConfig checks)."""
     if target_layer_ids is None:
         target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_layers)
-    elif not all(0 <= i <= target.num_hidden_layers - 2 for i in target_layer_ids):
-        raise ValueError(f"target_layer_ids {target_layer_ids} must lie in 0..{target.num_hidden_layers - 2} "
-                         f"(the target has {target.num_hidden_layers} layers; the last one's output is post-norm)")
     return DrafterConfig.for_target(
         target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
         target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, enable_confidence_head=True)

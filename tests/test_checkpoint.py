@@ -1,5 +1,6 @@
 """DeepSpec-format drafter checkpoints: save / load round trips, spellings, and strict errors."""
 import json
+import re
 
 import pytest
 import torch
@@ -154,9 +155,6 @@ def test_misshapen_tensor_is_named_with_its_file(tmp_path):
     ({}, dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2),
      "hidden_size 32 does not match the target's 48"),
     ({}, dict(num_hidden_layers=5), "num_target_layers 4 does not match the target's 5 layers"),
-    # DeepSpec never feeds the drafter the target's last layer
-    (dict(target_layer_ids=[0, 3]), {}, r"target_layer_ids \[0, 3\] are out of range for a 4-layer target"),
-    (dict(target_layer_ids=[-2, 1]), {}, r"target_layer_ids \[-2, 1\] are out of range"),
     (dict(mask_token_id=80), {}, r"mask_token_id 80 is outside the vocabulary \[0, 80\)"),
 ])
 def test_config_that_does_not_fit_the_target_is_refused(tmp_path, drafter_change, target_change, message):
@@ -164,6 +162,21 @@ def test_config_that_does_not_fit_the_target_is_refused(tmp_path, drafter_change
     target = make_target(TargetConfig(**{**TARGET.to_dict(), "head_dim": None, **target_change}))
     with pytest.raises(ValueError, match=r"config\.json: " + message):
         load_drafter(tmp_path, target)
+
+
+@pytest.mark.parametrize("layer_ids, num_target_layers", [
+    ([0, 3], 4),  # DeepSpec never feeds the drafter the target's last layer
+    ([0, 3], None),  # without num_target_layers, checked against the target's layers
+    ([-2, 1], None),  # -1 (the embeddings) is the lowest
+])
+def test_target_layer_ids_outside_the_target_are_refused(tmp_path, layer_ids, num_target_layers):
+    save_drafter(make_drafter(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(target_layer_ids=layer_ids, num_target_layers=num_target_layers)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    message = f"config.json: target_layer_ids {layer_ids} are out of range for a 4-layer target"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_drafter(tmp_path, make_target())
 
 
 def test_embedding_output_is_a_valid_target_layer(tmp_path):

@@ -225,7 +225,7 @@ def test_target_layer_ids_can_be_chosen_but_never_the_last_layer():
                            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
     late = training.default_drafter_config(smollm2, 16, target_layer_ids=[25, 26, 27])
     assert late.target_layer_ids == [25, 26, 27]
-    with pytest.raises(ValueError, match=r"\[26, 28, 29\] must lie in 0..28"):
+    with pytest.raises(ValueError, match=r"\[26, 28, 29\] are out of range for a 30-layer target"):
         training.default_drafter_config(smollm2, 16, target_layer_ids=[26, 28, 29])
     assert training.parse_args(["--out", "x", "--target-layer-ids", "25,26,27"]).target_layer_ids == [25, 26, 27]
 
