@@ -26,7 +26,8 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
   L1 distance, 2 TV), and 1 - TV is the chance that token-level verification accepts the slot's
   draft given that the slots before it were accepted. --argmax-weight w adds w CE against the
   target's argmax, for greedy (T = 0) decoding, where a draft is accepted when its argmax is the
-  target's.
+  target's. --kl-weight w adds w KL(p_target || p_draft), which pulls up the tokens the draft nearly
+  zeroes: TV's gradient on a token's logit is proportional to the token's draft probability.
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the
@@ -99,6 +100,7 @@ class TrainConfig:
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
     argmax_weight: float = 0.0  # CE against the target's argmax: aims at greedy (T = 0) agreement
+    kl_weight: float = 0.0  # KL(target || draft): covers the target's mass where TV's gradient vanishes
     decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
     seed: int = 0
     rank0_twin: bool = True
@@ -240,12 +242,13 @@ def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tens
 
 def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
                 labels: torch.Tensor, target_logits: torch.Tensor, ce_weight: float, tv_weight: float,
-                confidence_weight: float, argmax_weight: float = 0.0
+                confidence_weight: float, argmax_weight: float = 0.0, kl_weight: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
-    BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax; the acceptance
-    estimate 1 - TV (T = 1) and the argmax agreement (T = 0). One function of tensors, so that
-    torch.compile fuses its passes over the vocabulary (train_step compiles it on the GPU).
+    BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax and kl_weight
+    KL(target || draft); the acceptance estimate 1 - TV (T = 1) and the argmax agreement (T = 0).
+    One function of tensors, so that torch.compile fuses its passes over the vocabulary (train_step
+    compiles it on the GPU).
 
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
     confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
@@ -263,6 +266,8 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     terms = ce_weight * ce + tv_weight * tv
     if argmax_weight:
         terms = terms + argmax_weight * -log_q.gather(-1, target_argmax).squeeze(-1)
+    if kl_weight:
+        terms = terms + kl_weight * (target_probs * (target_logits.float().log_softmax(-1) - log_q)).sum(-1)
     if confidence is not None:
         terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
             confidence.float(), accept, reduction="none")
@@ -289,7 +294,8 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
         prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
         confidence = drafter.confidence(hidden, prev_embedding)
     terms, accept, agree = losses(base, bias, confidence, labels, target_logits, config.ce_weight,
-                                  config.tv_weight, config.confidence_weight, config.argmax_weight)
+                                  config.tv_weight, config.confidence_weight, config.argmax_weight,
+                                  config.kl_weight)
     decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
     weights = decay * valid
     return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept, agree

@@ -387,11 +387,34 @@ def test_compiled_slot_losses_equal_the_eager_ones():
         target_logits = torch.randn(2, blocks, 4, 50, generator=g)
         results = []
         for losses in (training.slot_losses, compiled):
-            terms, accept, agree = losses(logits, bias, confidence, labels, target_logits, 0.1, 0.9, 1.0, 0.5)
+            terms, accept, agree = losses(logits, bias, confidence, labels, target_logits, 0.1, 0.9, 1.0, 0.5, 0.3)
             grads = torch.autograd.grad(terms.sum(), (logits, bias, confidence))
             results.append((terms, accept, agree, *grads))
         for want, got in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_term_is_the_targets_kl_to_the_draft_and_pulls_up_what_the_draft_nearly_zeroes():
+    """kl_weight adds w * KL(p || q) to each slot's terms, zero where the draft is the target. On a
+    token the draft nearly zeroes (q = 1e-6, p = 0.3) TV's gradient on its logit is about q, and the
+    KL's is q - p: only the KL term moves that logit."""
+    g = torch.Generator().manual_seed(3)
+    logits, target_logits = torch.randn(2, 3, 4, 50, generator=g), torch.randn(2, 3, 4, 50, generator=g)
+    labels = torch.randint(0, 50, (2, 3, 4), generator=g)
+    plain, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
+    weighted, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0, 0.0, 0.5)
+    p, log_q = target_logits.softmax(-1), logits.log_softmax(-1)
+    torch.testing.assert_close(weighted - plain, 0.5 * (p * (p.log() - log_q)).sum(-1))
+    same, _, _ = training.slot_losses(target_logits, None, None, labels, target_logits, 0.0, 0.0, 1.0, 0.0, 1.0)
+    torch.testing.assert_close(same, torch.zeros_like(same), atol=1e-6, rtol=0)
+
+    target = torch.tensor([0.3, 0.7, 0.0]).clamp_min(1e-12).log()
+    draft = torch.tensor([1e-6, 1 - 1e-6, 1e-12]).log().requires_grad_()
+    label = torch.tensor(1)
+    tv_only, = torch.autograd.grad(training.slot_losses(draft, None, None, label, target, 0.0, 1.0, 0.0)[0], draft)
+    kl_only, = torch.autograd.grad(
+        training.slot_losses(draft, None, None, label, target, 0.0, 0.0, 0.0, 0.0, 1.0)[0], draft)
+    assert abs(tv_only[0]) < 1e-5 and kl_only[0] == pytest.approx(-0.3, abs=1e-5)
 
 
 def test_argmax_term_is_the_cross_entropy_of_the_targets_argmax_and_agreement_counts_argmaxes():
