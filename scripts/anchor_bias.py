@@ -20,7 +20,7 @@ import torch
 from dspark.checkpoint import load_drafter
 from dspark.data import heldout_prompts, render
 from dspark.decoder import SpeculativeDecoder
-from dspark.loading import load_default
+from dspark.loading import load_default, load_default_target
 from dspark.sampling import SamplingParams
 
 
@@ -56,8 +56,10 @@ def main() -> None:
     parser.add_argument("--drafter", type=Path, default=None,
                         help="a DeepSpec-format drafter folder (default: the shipped drafter)")
     args = parser.parse_args()
-    target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
-    if args.drafter is not None:
+    if args.drafter is None:
+        target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
+    else:  # the target alone: the shipped drafter is not read only to be replaced
+        target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
         drafter = load_drafter(args.drafter, target)
     prompts = render(tokenizer, heldout_prompts()[:args.num_prompts])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop_token_ids=tokenizer.eos_token_ids)
