@@ -487,10 +487,11 @@ def gumbel_pick_torch(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, lo
     seed, offset = seed[:, None], offset[:, None]
     group_noise = token_exponentials_torch(seed, offset, groups, STREAM_DRAFT_GROUP + k)
     group = (mass / group_noise).argmax(1, keepdim=True)  # [B, 1]
-    ids = group * group_size + torch.arange(group_size, device=x.device)
+    width = min(group_size, vocab)  # a vocabulary smaller than a group has one group: no noise past it
+    ids = group * group_size + torch.arange(width, device=x.device)
     x = torch.where(ids < vocab, x.gather(1, ids.clamp_max(vocab - 1)), float("-inf"))
     p = torch.exp(x - x.amax(-1, keepdim=True))
-    token_noise = token_exponentials_torch(seed, offset, group_size, STREAM_DRAFT + k, first=group * group_size)
+    token_noise = token_exponentials_torch(seed, offset, width, STREAM_DRAFT + k, first=group * group_size)
     drawn = group.squeeze(1) * group_size + (p / token_noise).argmax(1)
     token = torch.where(temperature == 0, greedy_token, drawn)
     tokens[:, k] = token
