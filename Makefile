@@ -2,6 +2,8 @@
 PY := .venv/bin/python
 PORT ?= 8000
 PROMPT ?= Write a haiku about speculative decoding.
+# pytest-xdist workers for the CPU suite: its compile-heavy tests leave the second core mostly idle
+TEST_JOBS ?= 2
 
 .PHONY: setup run chat test test-gpu
 
@@ -16,7 +18,7 @@ chat: setup
 
 test:
 	bash scripts/setup.sh --test
-	$(PY) -m pytest tests --ignore=tests/interpret -q
+	$(PY) -m pytest tests --ignore=tests/interpret -q -n $(TEST_JOBS)
 	TRITON_INTERPRET=1 $(PY) -m pytest tests/interpret -q
 
 test-gpu:
