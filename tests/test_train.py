@@ -252,6 +252,59 @@ def test_batches_anchor_only_response_positions_with_labels():
             assert torch.equal(batch.valid[row], used[:, None] & (label_at < length))
 
 
+def test_follow_ups_are_where_a_greedy_decode_drafts_next_and_take_their_share_of_the_anchors():
+    sequences = [Sequence(list(range(1, 41)), prompt_len=4), Sequence(list(range(1, 13)), prompt_len=4)]
+    config = training.TrainConfig(batch_size=2, num_anchors=8, followup_anchors=0.5)
+    batch = training.make_batch(sequences, 0, config, block_size=3)
+    # first row: blocks agree for 0, 1, 2, 3 leading slots; a miss inside a run ends it
+    agree = torch.zeros(2, 8, 3)
+    agree[0, 1, 0] = agree[0, 2, :2] = agree[0, 3] = agree[0, 4, [0, 2]] = 1.0
+    followups = training.FollowUps(num_sequences=5, num_anchors=8)
+    followups.update([3, 1], batch, agree)
+    anchors = batch.anchors[0]
+    assert followups.table[3].tolist() == (anchors + torch.tensor([0, 1, 2, 3, 1, 0, 0, 0]) + 1).tolist()
+    # the second sequence has 7 response positions: its eighth block is padding, without a follow-up
+    assert followups.table[1, 7] == -1 and (followups.table[1, :7] >= 0).all()
+    assert followups[[0]][0].numel() == 0  # never visited
+
+    table = [torch.tensor([30, 30, 6, 39, 2, 20, 11, 17]), torch.tensor([5, 11, 40])]
+    for step in range(5):
+        plain = training.make_batch(sequences, step, config, block_size=3)
+        batch = training.make_batch(sequences, step, config, block_size=3, followups=table)
+        first = batch.anchors[0]
+        assert len(first.unique()) == 8 and torch.equal(first, first.sort().values)
+        inside = {30, 6, 20, 11, 17}  # 39 has no label after it, 2 is in the prompt
+        assert len(inside & set(first.tolist())) >= 4  # half of the 8 anchors (a random one may be a fifth)
+        assert set(first.tolist()) <= set(plain.anchors[0].tolist()) | inside  # the rest from the random order
+        second = batch.anchors[1][batch.valid[1, :, 0]]
+        assert {5} <= set(second.tolist()) and len(second) == 7  # 11 has no label after it
+    no_share = dataclasses.replace(config, followup_anchors=0.0)
+    assert torch.equal(training.make_batch(sequences, 2, no_share, 3, followups=table).anchors,
+                       training.make_batch(sequences, 2, no_share, 3).anchors)
+    with pytest.raises(ValueError, match="followup_anchors"):
+        training.TrainConfig(followup_anchors=1.5)
+
+
+def test_resume_with_follow_up_anchors_reproduces_the_uninterrupted_run(target, sequences, tmp_path):
+    """With batches of 8 of the 32 sequences the second epoch (from step 4) meets follow-ups; the
+    run is cut after step 5, inside it."""
+    config = training.TrainConfig(steps=7, batch_size=8, num_anchors=8, lr=3e-3, followup_anchors=0.5,
+                                  rank0_twin=False)
+    drafter_config = tiny_drafter_config(target)
+    torch.manual_seed(0)
+    straight = training.train(target, drafter_config, sequences, tmp_path / "straight", config)
+    torch.manual_seed(0)
+    training.train(target, drafter_config, sequences, tmp_path / "split", config, stop=lambda step: step == 5)
+    torch.manual_seed(1)
+    resumed = training.train(target, drafter_config, sequences, tmp_path / "split", config, resume=True)
+    for (name, x), y in zip(straight[0].drafter.state_dict().items(), resumed[0].drafter.state_dict().values()):
+        assert torch.equal(x, y), name
+    control = dataclasses.replace(config, followup_anchors=0.0)
+    torch.manual_seed(0)
+    uniform = training.train(target, drafter_config, sequences, tmp_path / "uniform", control)
+    assert not torch.equal(uniform[0].drafter.fc.weight, straight[0].drafter.fc.weight)
+
+
 def test_batch_order_sees_every_sequence_once_an_epoch_in_batches_of_similar_lengths():
     lengths = torch.randint(10, 500, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
     padded = {}
@@ -342,7 +395,7 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
         for data in (sequences, longer):
             batch = training.make_batch(data[:config.batch_size], 3, config, students[0].drafter.block_size)
             lengths.add(batch.tokens.shape[1])
-            for student, loss, stats in training.student_losses(target, students, batch, config, compile):
+            for student, loss, stats, _ in training.student_losses(target, students, batch, config, compile):
                 grads = torch.autograd.grad(loss, [p for p in student.drafter.parameters() if p.requires_grad])
                 results[compile].append((loss.detach(), stats.accept, *grads))
             if compile == "all":
