@@ -203,11 +203,10 @@ class FollowUps:
         return [row[row >= 0].long() for row in self.table[indices]]
 
     def update(self, indices: list[int], batch: Batch, agree: torch.Tensor) -> None:
-        """Records the follow-ups of the batch of sequences `indices`, from its argmax agreements
-        agree [B, N, K] (1.0 where the slot's argmax is the target's)."""
-        valid = batch.valid.cpu()
-        runs = (agree.cpu() * valid).cumprod(-1).sum(-1).long()  # [B, N] leading agreements
-        self.table[indices] = torch.where(valid[..., 0], batch.anchors.cpu() + runs + 1, -1).int()
+        """Records the follow-ups of the batch (on the CPU) of sequences `indices`, from its argmax
+        agreements agree [B, N, K] (1.0 where the slot's argmax is the target's)."""
+        runs = (agree * batch.valid).cumprod(-1).sum(-1).long()  # [B, N] leading agreements
+        self.table[indices] = torch.where(batch.valid[..., 0], batch.anchors + runs + 1, -1).int()
 
 
 def pick_anchors(seq: Sequence, generator: torch.Generator, config: TrainConfig,
@@ -475,9 +474,10 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
 def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
                compile: str | None = None) -> tuple[list[Stats], torch.Tensor]:
     """One optimizer step of every student on `batch` (`compile`: see student_losses): their Stats,
-    and the first student's argmax agreement [B, N, K]."""
+    and the first student's argmax agreement [B, N, K] on the CPU."""
     collected, agreements = [], []
     for student, loss, stats, agree in student_losses(target, students, batch, config, compile):
+        agreements.append(agree.cpu())  # before the backward: step_stats has just waited for the forward
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
         student.optimizer.step()
@@ -657,8 +657,8 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 break
             indices = order(step)
             batch = make_batch([sequences[i] for i in indices], step, config, drafter_config.block_size,
-                               None if followups is None else followups[indices]).to(device)
-            stats, agree = train_step(target, students, batch, config, compile)
+                               None if followups is None else followups[indices])
+            stats, agree = train_step(target, students, batch.to(device), config, compile)
             window = [w + s for w, s in zip(window, stats)]
             if followups is not None:
                 followups.update(indices, batch, agree)
