@@ -218,10 +218,10 @@ def pick_anchors(seq: Sequence, generator: torch.Generator, config: TrainConfig,
     if followups is None or not config.followup_anchors:
         return order[:config.num_anchors].sort().values
     inside = followups[(followups >= seq.prompt_len) & (followups < len(seq.tokens) - 1)].unique()
-    chosen = inside[torch.randperm(len(inside), generator=generator)][:round(config.followup_anchors
-                                                                             * config.num_anchors)]
-    rest = order[~torch.isin(order, chosen)][:config.num_anchors - len(chosen)]
-    return torch.cat([chosen, rest]).sort().values
+    share = round(config.followup_anchors * config.num_anchors)
+    followed = inside[torch.randperm(len(inside), generator=generator)][:share]
+    rest = order[~torch.isin(order, followed)][:config.num_anchors - len(followed)]
+    return torch.cat([followed, rest]).sort().values
 
 
 def make_batch(chosen: list[Sequence], step: int, config: TrainConfig, block_size: int,
