@@ -14,8 +14,10 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
 - the target runs a plain causal forward over a batch of self-distilled sequences (dspark.data;
   BatchOrder) and returns its logits and the outputs of `target_layer_ids` (the drafter's context
   features);
-- up to `num_anchors` random response positions per sequence become blocks [x_p, mask x (K-1)],
-  all drafted in one forward under DeepSpec's block mask; slot k is labelled x_{p+k+1};
+- up to `num_anchors` response positions per sequence become blocks [x_p, mask x (K-1)], all
+  drafted in one forward under DeepSpec's block mask; slot k is labelled x_{p+k+1}. The anchors are
+  random; --followup-anchors f places a share f of them where a greedy decode would draft next from
+  the sequence's anchors at its previous visit (FollowUps);
 - the Markov head adds its bias with teacher forcing (the true previous token);
 - loss = 0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), each position weighted by exp(-k/4).
   TV is the total-variation distance 1/2 |p_draft - p_target|_1 at T=1 (DeepSpec's 0.9 weighs the
@@ -24,12 +26,11 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
   target's argmax, for greedy (T = 0) decoding, where a draft is accepted when its argmax is the
   target's. --kl-weight w adds w KL(p_target || p_draft), which pulls up the tokens the draft nearly
   zeroes: TV's gradient on a token's logit is proportional to the token's draft probability.
-- the anchors are uniform over the response; --followup-anchors f places a share f of them where a
-  greedy decode would draft next from the sequence's anchors at its previous visit (FollowUps).
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the
-argmax agreements ("greedy AL"); `log.jsonl` keeps them.
+argmax agreements ("greedy AL"); `log.jsonl` keeps them (with --followup-anchors over the
+training anchors, harder than uniform ones: compare the held-out estimates, which stay uniform).
 Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
 answered by the target like the training prompts, never trained on) show how well the drafter
 generalizes beyond the sequences it has seen, separately on each prompt's greedy response (the text
@@ -189,11 +190,12 @@ class BatchOrder:
 class FollowUps:
     """Where a greedy decode would draft next from each sequence's anchors at its last visit. From
     anchor p, whose first n(p) slots agree with the target's argmax, a decoder at T = 0 accepts n(p)
-    drafts and drafts its next block from p + n(p) + 1: after a miss. Uniform anchors under-sample
-    those positions, so the log's estimates exceed the decoded AL (docs/performance.md, "The
-    training log's AL estimate and the decoder's AL"); make_batch places a share
-    `config.followup_anchors` of a sequence's anchors on them. Saved with the checkpoint, so a
-    resumed run continues exactly."""
+    drafts and drafts its next block from p + n(p) + 1, the target's own token (after a miss, unless
+    all K drafts agreed). Uniform anchors under-sample those positions, so the log's estimates
+    exceed the decoded AL (docs/performance.md, "The training log's AL estimate and the decoder's
+    AL"); make_batch places a share `config.followup_anchors` of a sequence's anchors on them. Exact
+    on greedy responses; on sampled ones, whose tokens leave the argmax path, a proxy for the same
+    (positions after a disagreement). Saved with the checkpoint, so a resumed run continues exactly."""
 
     def __init__(self, num_sequences: int, num_anchors: int):
         self.table = torch.full((num_sequences, num_anchors), -1, dtype=torch.int32)  # -1: none
@@ -210,14 +212,14 @@ class FollowUps:
 
 
 def pick_anchors(seq: Sequence, generator: torch.Generator, config: TrainConfig,
-                 followups: torch.Tensor | None) -> torch.Tensor:
-    """Up to `num_anchors` sorted anchors p among the response positions with a label at p + 1: the
-    follow-ups among them (a share `followup_anchors` at most, a random choice when there are more),
-    the rest random."""
+                 followed_up: torch.Tensor | None) -> torch.Tensor:
+    """Up to `num_anchors` sorted anchors p among the response positions with a label at p + 1: of
+    the sequence's follow-up positions `followed_up` those among them (a share `followup_anchors` at
+    most, a random choice when there are more), the rest random."""
     order = torch.randperm(len(seq.tokens) - 1 - seq.prompt_len, generator=generator) + seq.prompt_len
-    if followups is None or not config.followup_anchors:
+    if followed_up is None or not config.followup_anchors:
         return order[:config.num_anchors].sort().values
-    inside = followups[(followups >= seq.prompt_len) & (followups < len(seq.tokens) - 1)].unique()
+    inside = followed_up[(followed_up >= seq.prompt_len) & (followed_up < len(seq.tokens) - 1)].unique()
     share = round(config.followup_anchors * config.num_anchors)
     followed = inside[torch.randperm(len(inside), generator=generator)][:share]
     rest = order[~torch.isin(order, followed)][:config.num_anchors - len(followed)]
@@ -234,7 +236,7 @@ def make_batch(chosen: list[Sequence], step: int, config: TrainConfig, block_siz
     followups)."""
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
     followups = followups or [None] * len(chosen)
-    picked = [pick_anchors(s, generator, config, f) for s, f in zip(chosen, followups)]
+    picked = [pick_anchors(s, generator, config, f) for s, f in zip(chosen, followups, strict=True)]
     longest = max(len(s.tokens) for s in chosen)
     length, num_blocks = -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, config.num_anchors
     tokens = torch.zeros(len(chosen), length, dtype=torch.long)
@@ -475,17 +477,17 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
                compile: str | None = None) -> tuple[list[Stats], torch.Tensor]:
     """One optimizer step of every student on `batch` (`compile`: see student_losses): their Stats,
     and the first student's argmax agreement [B, N, K] on the CPU."""
-    collected, agreements = [], []
+    collected, first_agreement = [], None
     for student, loss, stats, agree in student_losses(target, students, batch, config, compile):
-        agreements.append(agree.cpu())  # before the backward: step_stats has just waited for the forward
+        if first_agreement is None:  # copied before the backward: step_stats has just waited for the forward
+            first_agreement = agree.cpu()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
         student.optimizer.step()
         student.optimizer.zero_grad(set_to_none=True)
         student.scheduler.step()
         collected.append(stats)
-        agreements.append(agree)
-    return collected, agreements[0]
+    return collected, first_agreement
 
 
 def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: TrainConfig, longest: int,
@@ -550,6 +552,7 @@ def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
     state = torch.load(path, map_location=students[0].drafter.fc.weight.device, weights_only=True)
     recipe = dataclasses.asdict(config)
     state["train_config"]["steps"] = recipe["steps"]  # may change: the schedule follows the new total
+    state["train_config"].setdefault("followup_anchors", 0.0)  # saved before the option: uniform anchors
     for key, ours in (("train_config", recipe), ("drafter_config", drafter_config.to_dict())):
         if state[key] != ours:
             changed = sorted(k for k in ours if state[key].get(k) != ours[k])
@@ -558,7 +561,10 @@ def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
     for student in students:
         student.load_state_dict(state["students"][student.name])
     if followups is not None:
-        followups.table = state["followups"]
+        if state["followups"].shape != followups.table.shape:
+            raise ValueError(f"{path} holds follow-ups of {tuple(state['followups'].shape)} (sequences, anchors), "
+                             f"not {tuple(followups.table.shape)}: resume on the same data")
+        followups.table = state["followups"].cpu()
     return state["step"]
 
 

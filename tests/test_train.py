@@ -125,6 +125,15 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
     with pytest.raises(ValueError, match="lr"):
         training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, lr=1.0),
                        resume=True)
+    # a checkpoint saved before --followup-anchors existed resumes as uniform anchors, and only so
+    state = torch.load(tmp_path / training.CHECKPOINT, weights_only=True)
+    del state["train_config"]["followup_anchors"], state["followups"]
+    torch.save(state, tmp_path / training.CHECKPOINT)
+    with pytest.raises(ValueError, match="followup_anchors"):
+        training.train(target, tiny_drafter_config(target), sequences, tmp_path,
+                       dataclasses.replace(config, followup_anchors=0.5), resume=True)
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, steps=3),
+                   resume=True)
 
 
 def test_resume_with_a_tied_target_whose_lm_head_is_its_embedding(sequences, tmp_path):
@@ -253,7 +262,7 @@ def test_batches_anchor_only_response_positions_with_labels():
 
 
 def test_follow_ups_are_where_a_greedy_decode_drafts_next_and_take_their_share_of_the_anchors():
-    sequences = [Sequence(list(range(1, 41)), prompt_len=4), Sequence(list(range(1, 13)), prompt_len=4)]
+    sequences = [Sequence(list(range(1, 41)), prompt_len=4), Sequence(list(range(1, 21)), prompt_len=12)]
     config = training.TrainConfig(batch_size=2, num_anchors=8, followup_anchors=0.5)
     batch = training.make_batch(sequences, 0, config, block_size=3)
     # first row: blocks agree for 0, 1, 2, 3 leading slots; a miss inside a run ends it
@@ -265,9 +274,10 @@ def test_follow_ups_are_where_a_greedy_decode_drafts_next_and_take_their_share_o
     assert followups.table[3].tolist() == (anchors + torch.tensor([0, 1, 2, 3, 1, 0, 0, 0]) + 1).tolist()
     # the second sequence has 7 response positions: its eighth block is padding, without a follow-up
     assert followups.table[1, 7] == -1 and (followups.table[1, :7] >= 0).all()
+    assert followups[[1]][0].tolist() == (batch.anchors[1, :7] + 1).tolist()  # no agreement there
     assert followups[[0]][0].numel() == 0  # never visited
 
-    table = [torch.tensor([30, 30, 6, 39, 2, 20, 11, 17]), torch.tensor([5, 11, 40])]
+    table = [torch.tensor([30, 30, 6, 39, 2, 20, 11, 17]), torch.tensor([5, 13, 19, 40])]
     for step in range(5):
         plain = training.make_batch(sequences, step, config, block_size=3)
         batch = training.make_batch(sequences, step, config, block_size=3, followups=table)
@@ -277,7 +287,8 @@ def test_follow_ups_are_where_a_greedy_decode_drafts_next_and_take_their_share_o
         assert len(inside & set(first.tolist())) >= 4  # half of the 8 anchors (a random one may be a fifth)
         assert set(first.tolist()) <= set(plain.anchors[0].tolist()) | inside  # the rest from the random order
         second = batch.anchors[1][batch.valid[1, :, 0]]
-        assert {5} <= set(second.tolist()) and len(second) == 7  # 11 has no label after it
+        assert 5 not in second and len(second.unique()) == 7  # 5 is in the prompt; 13 is not taken twice
+        assert 19 not in batch.anchors[1]  # the last token has no label after it
     no_share = dataclasses.replace(config, followup_anchors=0.0)
     assert torch.equal(training.make_batch(sequences, 2, no_share, 3, followups=table).anchors,
                        training.make_batch(sequences, 2, no_share, 3).anchors)
