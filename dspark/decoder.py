@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.drafter import DSparkDrafter
 from dspark.drafting import ancestral_draft, greedy_draft
@@ -28,6 +29,11 @@ from dspark.target import TargetModel
 
 VERIFY_METHODS = ("standard", "block")
 RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
+# The attention kernels a prefill may use: not cuDNN's, which builds an execution plan for every new
+# shape (FlashInfer measured 55-70 ms per shape on SM100; bench/prefill.py compares), and a prefill
+# meets a new shape with every prompt length and group size. Decode steps keep torch's choice: their
+# shape is fixed per cache.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -280,11 +286,11 @@ class SpeculativeDecoder:
 
         while active.any():
             emitted, num_accepted, next_tokens, next_start = step(tokens, start, draft_probs, sampling)
-            emitted_host, accepted_host = emitted.cpu(), num_accepted.cpu()
+            emitted_rows, accepted_counts = emitted.tolist(), num_accepted.tolist()  # one copy each
             for i in active.nonzero().flatten().tolist():
-                n = int(accepted_host[i])
+                n = accepted_counts[i]
                 results[i].num_steps += 1
-                taken = self._emit(i, emitted_host[i, :n + 1].tolist(), results, stops, active, on_tokens)
+                taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
                 for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
                     results[i].accepted_per_position[pos] += 1
             # Finished rows stay in the static batch, frozen: same inputs, same cache positions.
@@ -318,8 +324,9 @@ class SpeculativeDecoder:
             ids = torch.tensor([prompts[i] for i in group], device=device)
             positions = torch.arange(length, device=device).expand(len(group), length)
             last = torch.full((len(group), 1), length - 1, device=device)
-            logits, hidden = self.target(ids, positions, rows=cache_rows, hidden_layer_ids=self.layer_ids,
-                                         logits_at=last)
+            with sdpa_kernel(PREFILL_ATTENTION):
+                logits, hidden = self.target(ids, positions, rows=cache_rows, hidden_layer_ids=self.layer_ids,
+                                             logits_at=last)
             if self.drafter is not None:
                 self.drafter.append_context(hidden, positions, rows=cache_rows)
             last_logits[torch.tensor(group, device=device)] = logits

@@ -217,6 +217,31 @@ def test_forced_acceptance_accepts_exactly_n_per_step():
     assert result.accepted_per_position == [10, 10, 0, 0]
 
 
+def test_prefill_attention_keeps_cudnn_out_and_decode_steps_keep_torchs_choice(monkeypatch):
+    """cuDNN's attention plans every new shape anew; the prefill meets one per prompt length."""
+    target, drafter = tiny_pair(vocab=64)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=3)
+    phase, cudnn_allowed = ["decode"], {"prefill": set(), "decode": set()}
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_attention(*args, **kwargs):
+        cudnn_allowed[phase[0]].add(torch.backends.cuda.cudnn_sdp_enabled())
+        return attention(*args, **kwargs)
+
+    def recording_prefill(*args, **kwargs):
+        phase[0] = "prefill"
+        try:
+            return SpeculativeDecoder.prefill(decoder, *args, **kwargs)
+        finally:
+            phase[0] = "decode"
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_attention)
+    monkeypatch.setattr(decoder, "prefill", recording_prefill)
+    decoder.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+    assert cudnn_allowed == {"prefill": {False}, "decode": {True}}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the prefill
+
+
 def test_bad_arguments_raise():
     target, drafter = tiny_pair()
     with pytest.raises(ValueError, match="exceeds the drafter's block_size"):

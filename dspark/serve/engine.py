@@ -164,7 +164,7 @@ class Engine:
     def _step(self) -> None:
         batch, runner = self._bucket(), self.runner
         emitted, num_accepted, next_tokens, next_start = runner.step(batch)
-        emitted, num_accepted = emitted.cpu(), num_accepted.cpu()
+        emitted, num_accepted = emitted.tolist(), num_accepted.tolist()  # one copy each
         stats, k = self.stats, self.decoder.k
         stats.steps += 1
         for row, request in enumerate(self.slots[:batch]):
@@ -174,9 +174,9 @@ class Engine:
                 request.result.finish_reason = "abort"
                 self._free(row)
                 continue
-            n = int(num_accepted[row])
+            n = num_accepted[row]
             request.result.num_steps += 1
-            taken = self._emit(row, emitted[row, :n + 1].tolist())
+            taken = self._emit(row, emitted[row][:n + 1])
             accepted = min(n, taken)  # drafts that a stop did not cut off
             for pos in range(accepted):
                 request.result.accepted_per_position[pos] += 1
