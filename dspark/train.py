@@ -480,12 +480,12 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
 
 
 def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
-               compile: str | None = None) -> tuple[list[Stats], torch.Tensor]:
+               compile: str | None = None, keep_agreement: bool = False) -> tuple[list[Stats], torch.Tensor | None]:
     """One optimizer step of every student on `batch` (`compile`: see student_losses): their Stats,
-    and the first student's argmax agreement [B, N, K] on the CPU."""
+    and with `keep_agreement` the first student's argmax agreement [B, N, K] on the CPU (else None)."""
     collected, first_agreement = [], None
     for student, loss, stats, agree in student_losses(target, students, batch, config, compile):
-        if first_agreement is None:  # copied before the backward: step_stats has just waited for the forward
+        if keep_agreement and first_agreement is None:  # before the backward: step_stats waited for the forward
             first_agreement = agree.cpu()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
@@ -670,7 +670,8 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             indices = order(step)
             batch = make_batch([sequences[i] for i in indices], step, config, drafter_config.block_size,
                                None if followups is None else followups[indices])
-            stats, agree = train_step(target, students, batch.to(device), config, compile)
+            stats, agree = train_step(target, students, batch.to(device), config, compile,
+                                      keep_agreement=followups is not None)
             window = [w + s for w, s in zip(window, stats)]
             if followups is not None:
                 followups.update(indices, batch, agree)
