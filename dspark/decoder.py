@@ -9,7 +9,8 @@ values), so torch.compile compiles it whole and a CUDA graph can capture it:
 The host loop prefills each request, runs steps, and applies stop tokens, stop strings and
 max_tokens token by token, so a request ends exactly where plain decoding would end it. On CUDA it
 can replay the step from a CUDA graph (`capture_step`; a large batch's eager step is bound by its
-kernel launches).
+kernel launches), and it queues step n + 1 before it reads step n's tokens (`Readback`), so the
+device does not wait for the host's bookkeeping.
 `drafter=None` (K = 0) runs the same step without speculation: the baseline of every benchmark.
 """
 from __future__ import annotations
@@ -84,6 +85,29 @@ class StopCondition:
                 result.finish_reason, result.finished = reason, True
                 break
         return taken
+
+
+class Readback:
+    """The copies to the host of a step's emitted tokens [B, K+1] and accepted counts [B], into
+    buffers made once (pinned on CUDA): `start` queues them behind the step, `lists` waits for them,
+    so the host may queue the next step in between."""
+
+    def __init__(self, emitted: torch.Tensor, num_accepted: torch.Tensor):
+        pinned = emitted.device.type == "cuda"
+        self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in (emitted, num_accepted)]
+        self.copied = torch.cuda.Event() if pinned else None
+
+    def start(self, emitted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        for buffer, source in zip(self.buffers, (emitted, num_accepted)):
+            buffer.copy_(source, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def lists(self) -> tuple[list[list[int]], list[int]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        emitted, num_accepted = self.buffers
+        return emitted.tolist(), num_accepted.tolist()
 
 
 def capture_step(step: Callable, args: tuple, scratch: torch.Tensor, pool=None):
@@ -170,6 +194,12 @@ class SpeculativeDecoder:
     @property
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
+
+    @property
+    def reads_behind(self) -> bool:
+        """Whether generate queues step n + 1 before reading step n's tokens: on CUDA, where the step
+        runs asynchronously; on the CPU nothing would overlap, and the last step queued is wasted."""
+        return self.device.type == "cuda"
 
     def stop_condition(self, params: SamplingParams) -> StopCondition:
         """The stop condition of a request: its stops, max_tokens, and the model's EOS tokens."""
@@ -261,7 +291,8 @@ class SpeculativeDecoder:
         if longest > self.target.config.max_position_embeddings:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
                              f"max_position_embeddings {self.target.config.max_position_embeddings}")
-        rows, max_len = self._cache_shape(batch, longest + self.k + 2)
+        # Room for one step past the end: a request runs one step after the one that ends it (below).
+        rows, max_len = self._cache_shape(batch, longest + 2 * (self.k + 1))
         self.target.setup_caches(rows, max_len)
         if self.drafter is not None:
             self.drafter.setup_caches(rows, max_len)
@@ -284,19 +315,28 @@ class SpeculativeDecoder:
                 graph.replay()
                 return outputs
 
-        while active.any():
-            emitted, num_accepted, next_tokens, next_start = step(tokens, start, draft_probs, sampling)
-            emitted_rows, accepted_counts = emitted.tolist(), num_accepted.tolist()  # one copy each
+        outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
+        readback = None if outputs is None else Readback(*outputs[:2])
+        while outputs is not None:
+            emitted, num_accepted, next_tokens, next_start = outputs
+            readback.start(emitted, num_accepted)
+            # The next step's inputs, before this step's tokens are read: a row this step ends runs
+            # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
+            # same cache positions.
+            keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
+            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
+            start.copy_(torch.where(keep, next_start, start))
+            queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
+            emitted_rows, accepted_counts = readback.lists()
             for i in active.nonzero().flatten().tolist():
                 n = accepted_counts[i]
                 results[i].num_steps += 1
                 taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
                 for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
                     results[i].accepted_per_position[pos] += 1
-            # Finished rows stay in the static batch, frozen: same inputs, same cache positions.
-            keep = active.to(device)
-            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
-            start.copy_(torch.where(keep, next_start, start))
+            if not active.any():
+                break
+            outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
         return results
 
     def _cache_shape(self, batch: int, length: int) -> tuple[int, int]:

@@ -259,6 +259,31 @@ def test_bad_arguments_raise():
         decoder.generate([[1]], cuda_graph=True)
 
 
+@pytest.mark.parametrize("k", [0, 4])
+def test_queuing_the_next_step_before_reading_this_one_changes_nothing(monkeypatch, k):
+    """On CUDA generate queues step n + 1 before it reads step n, so a row runs one step past the
+    step that ends it: the same tokens, counts and finish reasons as reading each step at once, for
+    rows of other lengths, temperatures and ends (stop token, max_tokens), the cache big enough."""
+    target, drafter = tiny_pair(vocab=64)
+    decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+    params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    stop = decoder.generate(prompts, params)[0].tokens[5]  # a token the first row emits
+    params = [dataclasses.replace(p, stop_token_ids=[stop]) for p in params]
+    at_once = decoder.generate(prompts, params)
+    monkeypatch.setattr(SpeculativeDecoder, "reads_behind", True)
+    behind = decoder.generate(prompts, params)
+    fields = lambda r: (r.tokens, r.accepted_per_position, r.num_steps, r.finish_reason)
+    assert [fields(r) for r in behind] == [fields(r) for r in at_once]
+    assert {r.finish_reason for r in at_once} == {"stop", "length"}
+    if k:  # the step past the end reaches furthest when every step accepts all K drafts
+        full = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, forced_num_accepted=k)
+        for max_tokens in range(2, 3 * (k + 1)):
+            result = full.generate([[1, 2, 3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+            assert len(result.tokens) == max_tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [0, 4])
 def test_generate_replayed_from_a_cuda_graph_equals_eager_steps(k):
@@ -293,7 +318,7 @@ def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():
     for n in range(12):
         prompts = [[1 + i] * (2 + n + i) for i in range(1 + n % 2)]
         decoder.generate(prompts, SamplingParams(temperature=float(n % 2), max_tokens=3 + n, seed=n))
-    assert target.layers[0].kv_cache.k_cache.shape[::2] == (2, 64)  # 14 + 14 + K + 2 = 34 positions
+    assert target.layers[0].kv_cache.k_cache.shape[::2] == (2, 64)  # 14 + 14 + 2 (K + 1) = 38 positions
     assert counters["stats"]["unique_graphs"] - graphs <= 6
 
 
