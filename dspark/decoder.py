@@ -309,11 +309,11 @@ class SpeculativeDecoder:
             tokens = torch.cat([tokens, drafts], dim=1)
         step = self.step
         if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
-            graph, outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
+            graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
 
             def step(*_):
                 graph.replay()
-                return outputs
+                return graph_outputs
 
         outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
         readback = None if outputs is None else Readback(*outputs[:2])
