@@ -122,14 +122,16 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
-                           markov_rank: int = 64, target_layer_ids: list[int] | None = None) -> DrafterConfig:
+                           markov_rank: int = 64, target_layer_ids: list[int] | None = None,
+                           markov_head_type: str = "vanilla") -> DrafterConfig:
     """The drafter trained for `target`; its features come from `target_layer_ids` (default:
     build_target_layer_ids), of which none may be the target's last layer (DrafterConfig checks)."""
     if target_layer_ids is None:
         target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_layers)
     return DrafterConfig.for_target(
         target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
-        target_layer_ids=target_layer_ids, mask_token_id=mask_token_id, enable_confidence_head=True)
+        markov_head_type=markov_head_type, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+        enable_confidence_head=True)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -733,6 +735,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla",
+                   help="the Markov head's variant (dspark.markov); rnn carries a state along the block")
     p.add_argument("--target-layer-ids", type=lambda text: [int(i) for i in text.split(",")], default=None,
                    help="the target layers whose outputs the drafter reads, e.g. 25,26,27 "
                         "(default: one per drafter layer, spread over 1..n-3)")
@@ -833,7 +837,7 @@ def main(argv=None) -> None:
     if mask_token_id is None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
     drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
-                                            args.markov_rank, args.target_layer_ids)
+                                            args.markov_rank, args.target_layer_ids, args.markov_head_type)
     compile_ahead(target, drafter_config, config, args.max_prompt_tokens + args.max_tokens, args.compile)
     print(f"training step compiled at {time.monotonic() - started:.0f} s")
     generation.join()

@@ -31,10 +31,10 @@ def random_prompts(count: int, seed: int) -> list[list[int]]:
     return torch.randint(1, VOCAB, (count, PROMPT_LEN), generator=generator).tolist()
 
 
-def tiny_drafter_config(target: TargetModel, markov_rank: int = 16) -> DrafterConfig:
+def tiny_drafter_config(target: TargetModel, markov_rank: int = 16, markov_head_type: str = "vanilla") -> DrafterConfig:
     return DrafterConfig.for_target(
         target.config, num_hidden_layers=1, block_size=4, markov_rank=markov_rank, mask_token_id=0,
-        target_layer_ids=[0, 2], enable_confidence_head=True)
+        target_layer_ids=[0, 2], enable_confidence_head=True, markov_head_type=markov_head_type)
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +156,17 @@ def test_resume_may_change_the_step_count_and_the_schedule_follows_it(target, se
     assert student.scheduler.get_last_lr()[0] == pytest.approx(expected)
 
 
-def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path):
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path, head):
     config = training.TrainConfig(steps=2, batch_size=2, num_anchors=4)
-    students = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config)
+    students = training.train(target, tiny_drafter_config(target, markov_head_type=head), sequences, tmp_path, config)
     for student in students:
         loaded = load_drafter(tmp_path / student.name, target)
         trained = student.drafter.state_dict()
         for name, tensor in loaded.state_dict().items():
             expected = trained[name] if name.split(".")[0] in loaded.shared_modules else trained[name].bfloat16()
             assert torch.equal(tensor, expected.float()), name
+    assert load_drafter(tmp_path / "drafter", target).config.markov_head_type == head
     assert students[0].drafter.markov_head is not None
     assert load_drafter(tmp_path / "drafter-rank0", target).markov_head is None
 
@@ -388,19 +390,22 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 
-def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_once(target, sequences):
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_once(target, sequences, head):
     """COMPILE_MODES "all" (target forward and each drafter's loss compiled with Inductor) against
     "none": same losses, acceptance estimates and gradients, for the drafter and its rank-0 twin, on
     batches of two lengths; the second length compiles nothing new (make_batch pads the length to a
     multiple of LENGTH_MULTIPLE and always makes num_anchors blocks; without that every new length
-    compiled the target's forward and both losses again)."""
+    compiled the target's forward and both losses again). The rnn head unrolls its state along the
+    block inside the compiled loss."""
     config = training.TrainConfig(batch_size=4, num_anchors=6)
     target.drop_caches()  # left by the sequences' generation; training runs plain causal forwards
     longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences]  # past one LENGTH_MULTIPLE
     results, graphs, lengths = {}, [], set()
     for compile in ("none", "all"):
         torch.manual_seed(0)
-        students = [training.make_student("drafter", target, tiny_drafter_config(target), config),
+        students = [training.make_student("drafter", target, tiny_drafter_config(target, markov_head_type=head),
+                                          config),
                     training.make_student("twin", target, tiny_drafter_config(target, markov_rank=0), config)]
         results[compile] = []
         for data in (sequences, longer):
