@@ -289,6 +289,13 @@ class DSparkDrafter(nn.Module):
         hidden = self.norm(x).view(batch, num_blocks, K, -1)
         return self.lm_head(hidden), hidden
 
+    def teacher_forced_bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The Markov head's bias of forward_train's blocks, each slot's from the true token before
+        it: prev [B, N, K] tokens, hidden [B, N, K, d] -> [B, N, K, V]; None without a head (rank 0)."""
+        if self.markov_head is None:
+            return None
+        return self.markov_head(prev.flatten(0, 1), hidden.flatten(0, 1)).unflatten(0, prev.shape[:2])
+
     def confidence(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """Confidence logits [B, K] from hidden [B, K, hidden] and, for a head trained with the Markov
         input, prev_embedding [B, K, rank] = markov_w1[token before each slot]."""

@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dspark import train as training
+from dspark.train import loop, schedule
 from dspark.checkpoint import load_drafter
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import DOMAINS, Sequence, heldout_prompts, response_params, self_distill, training_prompts
@@ -173,7 +174,7 @@ def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_hea
 
 def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
     clock = [0.0, 20.0, 24.0, 28.0]  # the first step compiles (20 s), the others take 4 s
-    monkeypatch.setattr(training.time, "monotonic", lambda: clock.pop(0) if clock else 28.0)
+    monkeypatch.setattr(schedule.time, "monotonic", lambda: clock.pop(0) if clock else 28.0)
     budget = training.TimeBudget(deadline=30.0)
     # judged by the compiling step, 20 + 20 > 30 would stop at step 1; 28 + 4 > 30 stops at step 3
     assert [budget(step) for step in range(4)] == [False, False, False, True]
@@ -182,7 +183,7 @@ def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):
 
 def test_time_budget_counts_the_steps_left_at_the_median_step_length(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr(training, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(schedule, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
     budget = training.TimeBudget(deadline=100.0, window=5)
     # a compiling step, then steps of 1 and 2 s and one that compiles again (40 s)
     for t in (0.0, 30.0, 31.0, 33.0, 73.0, 74.0, 76.0):
@@ -202,13 +203,13 @@ def test_a_fitted_schedule_ends_with_the_time_budget(target, sequences, tmp_path
         now[0] += 1.0
         return now[0]
 
-    monkeypatch.setattr(training, "FIT_AFTER_STEPS", 3)
+    monkeypatch.setattr(loop, "FIT_AFTER_STEPS", 3)
     config = training.TrainConfig(steps=50, batch_size=2, num_anchors=4, rank0_twin=False)
     budget = training.TimeBudget(deadline=12.5)
-    monkeypatch.setattr(training, "time", type("Clock", (), {"monotonic": staticmethod(tick)}))
+    monkeypatch.setattr(schedule, "time", type("Clock", (), {"monotonic": staticmethod(tick)}))
     [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=budget,
                                fit_schedule=True)
-    fitted = int(training.FIT_MARGIN * 9)  # 3 steps in, the budget's last call read 3.0: 9.5 s, 9 steps left
+    fitted = int(loop.FIT_MARGIN * 9)  # 3 steps in, the budget's last call read 3.0: 9.5 s, 9 steps left
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {"step": 3, "fitted_steps": 3 + fitted} in log
     assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 3 + fitted
@@ -423,7 +424,6 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="compile must be one of"):
         next(training.student_losses(target, students, batch, config, "everything"))
-
 
 
 def test_after_compile_ahead_no_training_step_compiles_again(target, sequences):

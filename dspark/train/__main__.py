@@ -1,0 +1,3 @@
+from dspark.train.cli import main
+
+main()

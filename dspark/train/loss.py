@@ -1,0 +1,131 @@
+"""DeepSpec's loss for a batch of blocks (dspark_loss: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position
+k weighted by exp(-k / 4)) and the teacher-forced acceptance estimates that come with it (Stats)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dspark.config import DrafterConfig
+from dspark.drafter import DSparkDrafter
+from dspark.target import TargetModel
+from dspark.train.batches import Batch
+from dspark.train.recipe import TrainConfig
+
+
+@dataclass
+class Stats:
+    """Sums over steps, per position over the valid slots: for the progress display and the log."""
+    loss: float = 0.0
+    accept: torch.Tensor | float = 0.0  # [K] sum of 1 - TV (T = 1 acceptance)
+    survive: torch.Tensor | float = 0.0  # [K] sum of prod_{i<=k} (1 - TV_i)
+    agree: torch.Tensor | float = 0.0  # [K] slots whose argmax is the target's (T = 0 acceptance)
+    agree_survive: torch.Tensor | float = 0.0  # [K] slots agreeing at every position up to k
+    count: torch.Tensor | float = 0.0  # [K] valid slots
+    steps: int = 0
+
+    def __add__(self, other: Stats) -> Stats:
+        return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def summary(self) -> dict:
+        count = self.count.clamp_min(1)
+        return {"loss": self.loss / self.steps, "acceptance": (self.accept / count).tolist(),
+                "al_estimate": 1 + (self.survive / count).sum().item(),
+                "greedy_agreement": (self.agree / count).tolist(),
+                "al_greedy_estimate": 1 + (self.agree_survive / count).sum().item()}
+
+
+def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per slot of every block: the label x_{p+k+1}, the token before it x_{p+k} (teacher forcing)
+    and the position p+k, where the target's logits give the slot's distribution -> each [B, N, K]."""
+    length = batch.tokens.shape[1]
+    at = (batch.anchors[..., None] + torch.arange(block_size, device=batch.anchors.device)).clamp_max(length - 1)
+    flat = at.flatten(1)  # [B, N*K]
+    prev = batch.tokens.gather(1, flat).view_as(at)
+    labels = batch.tokens.gather(1, (flat + 1).clamp_max(length - 1)).view_as(at)
+    return labels, prev, at
+
+
+def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
+                labels: torch.Tensor, target_logits: torch.Tensor, ce_weight: float, tv_weight: float,
+                confidence_weight: float, argmax_weight: float = 0.0, kl_weight: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
+    BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax and kl_weight
+    KL(target || draft); the acceptance estimate 1 - TV (T = 1) and the argmax agreement (T = 0).
+    One function of tensors, so that torch.compile fuses its passes over the vocabulary (train_step
+    compiles it on the GPU).
+
+    logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
+    confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
+    logits at each slot's position)
+    -> terms, accept, agree [B, N, K] float32
+    """
+    logits = logits.float() if bias is None else logits.float() + bias.float()
+    log_q = logits.log_softmax(-1)
+    target_probs = target_logits.float().softmax(-1)  # T = 1
+    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
+    tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
+    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
+    target_argmax = target_probs.argmax(-1, keepdim=True)
+    agree = (logits.detach().argmax(-1, keepdim=True) == target_argmax).squeeze(-1).float()
+    terms = ce_weight * ce + tv_weight * tv
+    if argmax_weight:
+        terms = terms + argmax_weight * -log_q.gather(-1, target_argmax).squeeze(-1)
+    if kl_weight:
+        terms = terms + kl_weight * (target_probs * (target_logits.float().log_softmax(-1) - log_q)).sum(-1)
+    if confidence is not None:
+        terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
+            confidence.float(), accept, reduction="none")
+    return terms, accept, agree
+
+
+def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                valid: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, target_logits: torch.Tensor,
+                config: TrainConfig, losses: Callable = slot_losses
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
+    weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
+    tensors without host syncs, so the whole of it compiles too (see COMPILE_MODES).
+
+    features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];
+    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV and argmax
+    agreement [B, N, K]
+    """
+    base, hidden = drafter.forward_train(features, tokens, anchors)  # [B, N, K, V], [B, N, K, d]
+    head = drafter.markov_head
+    bias = drafter.teacher_forced_bias(prev, hidden)
+    confidence = None
+    if drafter.confidence_head is not None:
+        prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
+        confidence = drafter.confidence(hidden, prev_embedding)
+    terms, accept, agree = losses(base, bias, confidence, labels, target_logits, config.ce_weight,
+                                  config.tv_weight, config.confidence_weight, config.argmax_weight,
+                                  config.kl_weight)
+    decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
+    weights = decay * valid
+    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept, agree
+
+
+def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> Stats:
+    """One step's Stats from its loss, acceptance estimates and argmax agreements [B, N, K] over the
+    valid slots [B, N, K]."""
+    per_slot = [accept, accept.cumprod(-1), agree, agree.cumprod(-1), valid.float()]
+    sums = torch.stack([t * valid for t in per_slot]).sum((1, 2))  # [5, K]
+    host = torch.cat([loss.detach().float()[None], sums.flatten()]).cpu()  # one device-to-host copy
+    return Stats(host[0].item(), *host[1:].view_as(sums), steps=1)
+
+
+def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,
+                 config: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's plain causal forward over the batch: its logits at the slots' positions and the
+    drafter's context features (the outputs of `config.target_layer_ids`; read from the config, not
+    passed as ints, so that a compiled copy keeps them constants rather than symbolic).
+    tokens: [B, S]; at: [B, N, K] -> [B, N, K, V] float32, [B, S, m * hidden]"""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    logits, features = target(tokens, positions, hidden_layer_ids=config.target_layer_ids,
+                              logits_at=at.flatten(1))
+    return logits.view(*at.shape, -1), features

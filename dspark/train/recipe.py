@@ -1,0 +1,53 @@
+"""The training recipe (TrainConfig) and the drafter it trains for a target (default_drafter_config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspark.config import DrafterConfig, TargetConfig
+
+
+@dataclass
+class TrainConfig:
+    """The recipe: everything that decides the trained weights (a resumed run must match it)."""
+    steps: int = 6000
+    batch_size: int = 64  # sequences per step
+    bucket_batches: int = 1  # batches drawn together and sorted by length (see BatchOrder); 1: random
+    num_anchors: int = 64  # blocks per sequence (fewer when the response is shorter)
+    lr: float = 1e-3
+    warmup: float = 0.04  # fraction of the steps
+    grad_clip: float = 1.0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    argmax_weight: float = 0.0  # CE against the target's argmax: aims at greedy (T = 0) agreement
+    kl_weight: float = 0.0  # KL(target || draft): covers the target's mass where TV's gradient vanishes
+    decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
+    followup_anchors: float = 0.0  # share of a sequence's anchors where a greedy decode steps (FollowUps)
+    seed: int = 0
+    rank0_twin: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.followup_anchors <= 1.0:
+            raise ValueError(f"followup_anchors is a share of the anchors, in [0, 1], got {self.followup_anchors}")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's choice of target layers: the middle one for a 1-layer drafter, else one per drafter
+    layer spread evenly over [1, n-3] (never the last layer, whose output is post-norm in HF)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
+                           markov_rank: int = 64, target_layer_ids: list[int] | None = None,
+                           markov_head_type: str = "vanilla") -> DrafterConfig:
+    """The drafter trained for `target`; its features come from `target_layer_ids` (default:
+    build_target_layer_ids), of which none may be the target's last layer (DrafterConfig checks)."""
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_layers)
+    return DrafterConfig.for_target(
+        target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
+        markov_head_type=markov_head_type, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+        enable_confidence_head=True)
