@@ -19,16 +19,15 @@ import argparse
 import datetime
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from dspark import (DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel,
                     load_drafter)
 from dspark.compile.runner import StepRunner
+from dspark.loading import DEFAULT_DRAFTER
 from timing import emit_table
 
-DRAFTER = Path(__file__).resolve().parent.parent / "dspark" / "assets" / "drafter"
 SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
                        max_position_embeddings=8192, tie_word_embeddings=True)
@@ -39,7 +38,7 @@ def step_ms(runner: StepRunner, batch: int, temperature: float, steps: int) -> f
     """Median wall ms of a step over rows 0 .. batch-1, each row prefilled with a random prompt."""
     decoder, device = runner.decoder, runner.tokens.device
     runner.set_params([SamplingParams(temperature=temperature, seed=row) for row in range(runner.max_batch)])
-    prompts = torch.randint(0, SMOLLM2.vocab_size, (batch, PROMPT_LEN)).tolist()
+    prompts = torch.randint(0, decoder.target.config.vocab_size, (batch, PROMPT_LEN)).tolist()
     first, start = decoder.prefill(prompts, runner.sampling(batch), list(range(batch)))
     runner.tokens[:batch, 0], runner.start[:batch] = first, start
     if decoder.drafter is not None:
@@ -104,7 +103,7 @@ def main() -> None:
                                                          target_layer_ids=[0, 1], markov_rank=8, mask_token_id=1),
                                 embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
     else:
-        drafter = load_drafter(DRAFTER, target)
+        drafter = load_drafter(DEFAULT_DRAFTER, target)
     lines = run(batches, steps, args.accepted, device, target, drafter)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     models = "a tiny random pair" if args.smoke else "SmolLM2-135M's shapes, random weights; the shipped drafter"

@@ -36,11 +36,9 @@ from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel
 from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_student, train_step
+from engine_step import SMOLLM2
 from timing import emit_table, print_profile
 
-SMOLLM2_135M = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
-                            max_position_embeddings=8192, tie_word_embeddings=True)
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
 # (name, what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig.bucket_batches)
 VARIANTS = {"eager": ("none", 1), "compiled loss": ("loss", 1), "compiled step": ("all", 1),
@@ -118,7 +116,7 @@ def main():
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
-        device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2_135M, (400, 192), args.steps, 5
+        device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2, (400, 192), args.steps, 5
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel(config).to(device, dtype).eval().requires_grad_(False)

@@ -7,5 +7,7 @@ from dspark.loading import load_default, load_target
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
+__version__ = "0.1.0"  # pyproject.toml reads it
+
 __all__ = ["DSparkDrafter", "DrafterConfig", "GenerationResult", "SamplingParams", "SpeculativeDecoder",
            "TargetConfig", "TargetModel", "load_default", "load_drafter", "load_target", "save_drafter"]

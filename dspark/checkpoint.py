@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import DSparkDrafter
 from dspark.target import TargetModel
-from dspark.weights import StoredTensors, read_state
+from dspark.weights import StoredTensors, read_safetensors, read_state
 
 CHECKPOINT_FILE = "model.safetensors"
 _TENSOR_ALIASES = {
@@ -115,15 +113,4 @@ def _check_fits_target(config: DrafterConfig, target: TargetConfig) -> None:
 
 def _read_tensors(folder: Path) -> StoredTensors:
     """Drafter tensor name (DFlash aliases resolved) -> (file, function that reads it)."""
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    tensors = {}
-    for file in files:
-        handle = safe_open(folder / file, framework="pt")
-        for source in handle.keys():
-            name = _TENSOR_ALIASES.get(source, source)
-            if name in tensors:
-                raise ValueError(f"{folder / file}: tensor {source!r} is also in {tensors[name][0]}")
-            tensors[name] = (folder / file, partial(handle.get_tensor, source))
-    return tensors
+    return read_safetensors(folder, rename=lambda source: _TENSOR_ALIASES.get(source, source))

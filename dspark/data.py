@@ -249,8 +249,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
     Batches take the prompts in order of length, so a batch's KV cache is as short as its longest
     prompt allows and its prefill has few distinct lengths; on CUDA each batch's steps replay a
     CUDA graph (eager, a step of 2048 rows takes 1.7-2.8x as long). Before each batch `stop(number of
-    responses so far)` may end the call; `progress(n)` hears of n more responses. Returns whether
-    all are done and the sequences: all of them in prompt order, or those so far."""
+    responses so far)` may end the call; `progress(n)` hears of n more responses. Returns the
+    sequences (all of them in prompt order, or those so far) and whether all are done."""
     if responses_per_prompt < 1:
         raise ValueError(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]

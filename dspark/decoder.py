@@ -42,7 +42,7 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)  # generated ids, the stopping token included
     accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft k was accepted
     num_steps: int = 0  # decode steps after the prefill
-    finish_reason: str = "length"  # "stop" (stop token or string) or "length" (max_tokens)
+    finish_reason: str = "length"  # "stop" (stop token or string), "length" (max_tokens); the engine adds "abort"
     finished: bool = False
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import bias_in_step, gumbel_pick, gumbel_step, low_rank_bias, step_tiles
+from dspark.ops.gumbel_max import bias_in_step, gumbel_pick, gumbel_step, low_rank_bias, position_logits, step_tiles
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,
@@ -73,12 +73,11 @@ def greedy_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | No
         prev, state = head.markov_w1(anchor), head.initial_state(batch)
     tokens = []
     for k in range(positions):
-        biased = logits[:, k].float()
-        biased = biased.masked_fill(biased.isnan(), 0.0)
+        bias = None
         if head is not None:
             v, state = head.low_rank(prev, None if hidden is None else hidden[:, k], state)
-            biased = biased + low_rank_bias(v, head.markov_w2.weight)  # as the CPU's step adds it
-        token = biased.argmax(dim=-1)
+            bias = low_rank_bias(v, head.markov_w2.weight)  # as the CPU's step adds it
+        token = position_logits(logits, bias, k).argmax(dim=-1)
         if head is not None:
             prev = head.markov_w1(token)
         tokens.append(token)

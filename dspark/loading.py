@@ -12,21 +12,21 @@ from typing import Callable
 
 import gguf
 import torch
-from safetensors import safe_open
 
 from dspark.checkpoint import load_drafter
 from dspark.config import ARCHITECTURES, TargetConfig
 from dspark.layers import rope_inv_freq
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer
-from dspark.weights import StoredTensors, read_state
+from dspark.weights import StoredTensors, read_safetensors, read_state
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it by dspark.train
 
 
 def fast_dtype(device: str | torch.device) -> torch.dtype:
-    """The dtype the command-line tools run in by default: bfloat16 on CUDA and on CPUs with oneDNN
+    """The dtype the server and `python -m dspark.generate` run in by default (dspark.eval and
+    dspark.train keep float32 on the CPU, for exact figures): bfloat16 on CUDA and on CPUs with oneDNN
     bfloat16 kernels (batch-1 decoding streams every weight once per step, and bfloat16 halves those
     bytes: on the project's 2-core CPU 1.5x for plain and 1.9x for speculative decoding, see
     docs/performance.md), float32 elsewhere. The library's loaders default to float32."""
@@ -105,20 +105,8 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
         raise ValueError(f"{config_file}: {e}") from None
 
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-
-    tensors: StoredTensors = {}
-    for name in files:
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{index}: lists {name}, which is not in {folder}")
-        handle = safe_open(folder / name, framework="pt")
-        for key in handle.keys():
-            tensors[key] = (name, partial(handle.get_tensor, key))
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    tensors = read_safetensors(folder, files)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports also save the tied copy; like HF, ignore it
     return config, tensors

@@ -23,7 +23,10 @@ SPEC_KEYS = {"method", "model", "num_speculative_tokens", "max_draft_len", "reje
 
 def speculative_config(text: str | None) -> dict:
     """The parsed --speculative-config; SystemExit naming the bad key or value."""
-    config = json.loads(text) if text else {}
+    try:
+        config = json.loads(text) if text else {}
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"--speculative-config is not JSON ({error}): {text!r}") from None
     if not isinstance(config, dict):
         raise SystemExit(f"--speculative-config must be a JSON object, got {text!r}")
     unknown = set(config) - SPEC_KEYS

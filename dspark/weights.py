@@ -2,10 +2,12 @@
 loaders: a missing, unexpected or misshapen tensor raises an error naming the file and the tensor."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 # A checkpoint's tensors: stored name -> (the file it is in, for messages; function that reads it).
 StoredTensors = dict[str, tuple[str | Path, Callable[[], torch.Tensor]]]
@@ -30,3 +32,26 @@ def read_state(shapes: dict[str, torch.Size], stored: StoredTensors, where: str 
             raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
         state[name] = tensor.to(device=device, dtype=dtype, copy=True)
     return state
+
+
+def read_safetensors(folder: Path, files: list[str] | None = None,
+                     rename: Callable[[str], str] | None = None) -> StoredTensors:
+    """The tensors of `files` in `folder` (default: every *.safetensors file there), each under
+    `rename(its stored name)`, read lazily. No file, a listed file that is absent, or a name in two
+    files raises an error naming them."""
+    if files is None:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    tensors: StoredTensors = {}
+    for file in files:
+        path = folder / file
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder}: no {file}")
+        handle = safe_open(path, framework="pt")
+        for source in handle.keys():
+            name = source if rename is None else rename(source)
+            if name in tensors:
+                raise ValueError(f"{path}: tensor {source!r} is also in {tensors[name][0]}")
+            tensors[name] = (path, partial(handle.get_tensor, source))
+    return tensors

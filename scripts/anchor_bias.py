@@ -22,19 +22,19 @@ from dspark.data import heldout_prompts, render
 from dspark.decoder import SpeculativeDecoder
 from dspark.loading import load_default, load_default_target
 from dspark.sampling import SamplingParams
+from heldout import draft_logits
 
 
 @torch.no_grad()
 def accepted_runs(target, drafter, sequence: list[int], prompt_len: int, k: int) -> torch.Tensor:
     """n(p) for every response anchor p of a greedy sequence: [len - 1 - prompt_len] long."""
     end = len(sequence) - 1  # the last position with a next token
-    tokens = torch.tensor(sequence + [0] * k)[None]  # padding: slots past `end` count as rejected
+    tokens = torch.tensor(sequence + [0] * drafter.block_size)[None]  # padding: slots past `end` count as rejected
     logits, features = target(tokens, torch.arange(tokens.shape[1])[None],
                               hidden_layer_ids=drafter.config.target_layer_ids)
     anchors = torch.arange(prompt_len, end)
-    base, hidden = drafter.forward_train(features, tokens, anchors[None])  # [1, N, K, V], [1, N, K, d]
     at = anchors[:, None] + torch.arange(k)  # slot j drafts the token after position at[:, j]
-    drafts = (base[0, :, :k] + drafter.markov_head(tokens[0, at], hidden[0, :, :k])).argmax(-1)
+    drafts = draft_logits(drafter, features, tokens, anchors)[:, :k].argmax(-1)
     agree = (drafts == logits[0, at].argmax(-1)) & (at < end)
     return agree.long().cumprod(1).sum(1)
 

@@ -19,8 +19,7 @@ import torch
 
 from dspark import load_default
 from dspark.checkpoint import load_drafter
-from dspark.data import heldout_prompts
-from dspark.train import heldout_sequences, parse_args
+from heldout import draft_logits, heldout_responses
 
 TAUS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
@@ -35,9 +34,8 @@ def slot_acceptance(target, drafter, tokens: list[int], prompt_len: int, taus) -
     logits, features = target(ids, torch.arange(ids.shape[1])[None], hidden_layer_ids=drafter.config.target_layer_ids)
     accepted, valid = [], []
     for anchors in torch.arange(prompt_len, end).split(32):  # memory: [32, K, V] per tau
-        base, hidden = drafter.forward_train(features, ids, anchors[None])  # [1, N, K, V], [1, N, K, d]
         at = anchors[:, None] + torch.arange(k)  # slot j drafts the token after position at[:, j]
-        q_logits = base[0, :, :k] + drafter.markov_head(ids[0, at], hidden[0, :, :k])
+        q_logits = draft_logits(drafter, features, ids, anchors)
         p = logits[0, at].softmax(-1)
         accepted.append(torch.stack([torch.minimum(p, (q_logits / tau).softmax(-1)).sum(-1) for tau in taus]))
         valid.append(at < end)
@@ -53,11 +51,7 @@ def main() -> None:
     target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
     if args.drafter is not None:
         drafter = load_drafter(args.drafter, target)
-    trainer = parse_args(["--out", "unused"])  # the held-out responses as python -m dspark.train makes them
-    sets = heldout_sequences(target.eval(), tokenizer, heldout_prompts(), args.cache,
-                             max_prompt_tokens=trainer.max_prompt_tokens, max_tokens=trainer.max_tokens,
-                             seed=trainer.seed, batch_size=160)
-    target.drop_caches()  # left by the responses' generation; the estimates are plain causal forwards
+    sets = heldout_responses(target, tokenizer, args.cache)
     print("| responses | tau | AL estimate | sum min(p, q_tau), positions 1..K |\n|---|---|---|---|")
     for kind, sequences in sets.items():
         accept, survive, count = 0.0, 0.0, 0.0

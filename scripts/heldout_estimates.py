@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from dspark.checkpoint import load_drafter
-from dspark.data import heldout_prompts
 from dspark.eval import drafter_labels
 from dspark.loading import load_default_target
-from dspark.train import Student, TrainConfig, evaluate_students, heldout_batches, heldout_sequences, parse_args
+from dspark.train import Student, TrainConfig, evaluate_students, heldout_batches
+from heldout import heldout_responses
 
 
 def main() -> None:
@@ -29,11 +29,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (memory: logits of all anchors)")
     args = p.parse_args()
     target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
-    trainer = parse_args(["--out", "unused"])  # the held-out responses as python -m dspark.train makes them
-    sets = heldout_sequences(target.eval(), tokenizer, heldout_prompts(), args.cache,
-                             max_prompt_tokens=trainer.max_prompt_tokens, max_tokens=trainer.max_tokens,
-                             seed=trainer.seed, batch_size=160)
-    target.drop_caches()  # left by the responses' generation; the estimates are plain causal forwards
+    sets = heldout_responses(target, tokenizer, args.cache)
     config = TrainConfig(batch_size=args.batch_size)
     print("| drafter | responses | AL estimate T = 1 | AL estimate T = 0 | 1 - TV, positions 1..K "
           "| argmax agreement, positions 1..K |\n|---|---|---|---|---|---|")

@@ -129,9 +129,10 @@ def test_the_compile_cache_round_trips_and_names_a_mismatch(tmp_path):
     other.write_bytes(json.dumps({**compiled_for(x.device), "torch": "1.0"}).encode() + b"\n" + b"x")
     with pytest.raises(ValueError, match="compiled for .*'torch': '1.0'"):
         load_compile_cache(other, x.device)
-    (tmp_path / "junk.bin").write_bytes(b"not a header\n")
-    with pytest.raises(ValueError, match="not a dspark compile cache"):
-        load_compile_cache(tmp_path / "junk.bin", x.device)
+    for junk in (b"not a header\n", b"\x80\xff binary\n"):
+        (tmp_path / "junk.bin").write_bytes(junk)
+        with pytest.raises(ValueError, match="not a dspark compile cache"):
+            load_compile_cache(tmp_path / "junk.bin", x.device)
 
 
 @torch.inference_mode()

@@ -253,7 +253,7 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
     state = hf_state_dict(model)
     state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(8, 64)
     save_file(state, folder / "model.safetensors")
-    with pytest.raises(ValueError, match=r"^model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' "
+    with pytest.raises(ValueError, match=r"/m/model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' "
                                          r"has shape \(8, 64\), expected \(64, 64\)$"):
         load_target(folder)
 

@@ -7,6 +7,7 @@ Server: the endpoints' shapes, streaming that reassembles to the non-streamed te
 cut as OpenAI cuts them, and a 400 that names the parameter for every request it cannot serve."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import urllib.error
@@ -20,6 +21,7 @@ from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine
 from dspark.serve.openai import speculation
 from dspark.serve.server import Server
+from dspark.serving import speculative_config
 from dspark.tokenizer import Tokenizer
 from test_decoder import target_greedy, tiny_pair
 
@@ -234,6 +236,7 @@ def test_other_bad_requests(server, path, body, raw, status, words):
 
 def test_the_get_endpoints(server):
     assert call(server, "/health") == (200, {"status": "ok"})
+    assert call(server, "/version") == (200, {"version": importlib.metadata.version("dspark")})
     status, models = call(server, "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
     assert call(server, "/v1/completions")[0] == 405
@@ -271,3 +274,10 @@ def test_without_speculation_the_response_reports_none():
         drain(engine, [request])
     assert request.result.tokens == target_greedy(target, [1, 2], 5)
     assert speculation(request.result) is None and engine.stats.drafts == 0
+
+
+@pytest.mark.parametrize("text, words", [("{'k': 1}", "is not JSON"), ("[1]", "must be a JSON object"),
+                                         ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must be")])
+def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
+    with pytest.raises(SystemExit, match=words):
+        speculative_config(text)

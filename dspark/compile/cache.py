@@ -43,7 +43,7 @@ def load_compile_cache(path: Path, device: torch.device) -> None:
         header, artifacts = f.readline(), f.read()
     try:
         made_for = json.loads(header)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not a dspark compile cache (its first line is not JSON)") from error
     here = compiled_for(device)
     if made_for != here:

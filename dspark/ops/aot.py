@@ -16,8 +16,8 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 
 
 def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: int, aligned: tuple[str, ...] = (),
-                   target: GPUTarget = H200, launch_pdl: bool = False):
-    """The compiled `kernel` (a @triton.jit function) for `target`. types: Triton types of the
+                   launch_pdl: bool = False):
+    """The compiled `kernel` (a @triton.jit function) for the H200 (sm_90). types: Triton types of the
     pointer and scalar arguments ("*bf16", "i64", ...; int32 where missing); constexprs: the
     compile-time arguments. Pointers and the `aligned` arguments are specialized as multiples of 16,
     as a launch at the ops' shapes (V = 200064 and its strides) specializes them. launch_pdl: for a
@@ -25,7 +25,7 @@ def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: i
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=target,
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=H200,
                           options={"num_warps": num_warps, "launch_pdl": launch_pdl})
 
 

@@ -65,7 +65,7 @@ class Engine:
     """Runs `decoder` over `max_batch` slots. submit() from any thread; run() in one thread."""
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_model_len: int | None = None,
-                 buckets: list[int] | None = None, cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None):
         config = decoder.target.config
         self.max_model_len = max_model_len or config.max_position_embeddings
         if not 1 <= self.max_model_len <= config.max_position_embeddings:
@@ -74,7 +74,7 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.decoder, self.max_batch = decoder, max_batch
-        self.runner = StepRunner(decoder, max_batch, self.max_model_len, buckets, cuda_graphs)
+        self.runner = StepRunner(decoder, max_batch, self.max_model_len, cuda_graphs=cuda_graphs)
         self.slots: list[Request | None] = [None] * max_batch
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)

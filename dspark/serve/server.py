@@ -15,11 +15,11 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dspark import __version__
 from dspark.serve import openai
 from dspark.serve.engine import Engine, Request
 from dspark.serve.metrics import prometheus_text
 
-VERSION = "0.1.0"
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
 MAX_BODY_BYTES = 1 << 22
 
@@ -85,7 +85,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, prometheus_text(server.engine, server.model_name),
                        "text/plain; version=0.0.4")
         elif path == "/version":
-            self._send(HTTPStatus.OK, {"version": VERSION})
+            self._send(HTTPStatus.OK, {"version": __version__})
         elif path in COMPLETION_ROUTES:
             self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST")
         else:
