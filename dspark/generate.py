@@ -13,7 +13,7 @@ import torch
 
 from dspark.checkpoint import load_drafter
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.loading import fast_dtype, load_default, load_target
+from dspark.loading import fast_dtype, load_default, load_gguf, load_target
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -55,9 +55,12 @@ def load_models(args):
     if args.model is None:
         target, drafter, tokenizer = load_default(dtype=dtype, device=args.device)
     else:
-        target, drafter = load_target(args.model, dtype=dtype, device=args.device), None
-        tokenizer = Tokenizer.from_gguf(args.model) if args.model.endswith(".gguf") else \
-            Tokenizer.from_pretrained(args.model)
+        drafter = None
+        if args.model.endswith(".gguf"):
+            target, tokenizer = load_gguf(args.model, dtype=dtype, device=args.device)
+        else:
+            target, tokenizer = load_target(args.model, dtype=dtype, device=args.device), \
+                Tokenizer.from_pretrained(args.model)
     if args.tokenizer:
         tokenizer = Tokenizer.from_file(args.tokenizer)
     if args.drafter == "none":

@@ -51,8 +51,7 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                      "supported: default, gpt2, smollm, llama-bpe, qwen2")
 
 
-def _gguf_tokenizer_fields(path: Path) -> dict[str, Any]:
-    reader = gguf.GGUFReader(path)
+def _gguf_tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 
 
@@ -102,12 +101,13 @@ class Tokenizer:
             i for i in [eos_token_id, *chat_end_ids] if i is not None))
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Builds the tokenizer from a GGUF file's `tokenizer.*` metadata (byte-level BPE, "gpt2")."""
+    def from_gguf(cls, path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+        """Builds the tokenizer from a GGUF file's `tokenizer.*` metadata (byte-level BPE, "gpt2");
+        `reader`: the file already parsed (dspark.loading.load_gguf shares its parse)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        meta = _gguf_tokenizer_fields(path)
+        meta = _gguf_tokenizer_fields(reader or gguf.GGUFReader(path))
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
