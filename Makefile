@@ -18,8 +18,8 @@ chat: setup
 
 test:
 	bash scripts/setup.sh --test
-	$(PY) -m pytest tests --ignore=tests/interpret -q -n $(TEST_JOBS)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests/interpret -q
+	$(PY) -m pytest tests --ignore=tests/interpret -q -n $(TEST_JOBS) --durations=10
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/interpret -q -n $(TEST_JOBS) --durations=5
 
 test-gpu:
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu needs a CUDA device')"

@@ -50,7 +50,7 @@ def random_drafter(default_pair):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("k", [1, 4, 7])
+@pytest.mark.parametrize("k", [1, 7])
 @pytest.mark.parametrize("method", ["standard", "block"])
 def test_random_drafter_greedy_is_the_targets(default_pair, random_drafter, prompt, target_greedy, k, method):
     target, _, _ = default_pair
