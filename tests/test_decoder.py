@@ -322,9 +322,9 @@ def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():
     assert counters["stats"]["unique_graphs"] - graphs <= 6
 
 
-def test_compiled_step_matches_eager():
-    """compile=True: the whole step through torch.compile(fullgraph=True) with Inductor (about a
-    minute on 2 cores), a greedy and a sampled row in one batch."""
+def test_compiled_step_matches_eager(vectorized_inductor):
+    """compile=True: the whole step through torch.compile(fullgraph=True) with Inductor and its SIMD
+    code (about two minutes on 2 cores), a greedy and a sampled row in one batch."""
     target, drafter = tiny_pair(vocab=64)
     params = [SamplingParams(temperature=t, max_tokens=8, seed=5, ignore_eos=True) for t in (0.0, 1.0)]
     eager = SpeculativeDecoder(target, drafter).generate([[1, 2, 3], [4, 5]], params)
