@@ -2,7 +2,8 @@
 shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, with
 the whole step's forward compiled (the target's and each drafter's, loss included), and the last
 with length-bucketed batches (`dspark.train.BatchOrder`, --bucket-batches 16) instead of batches
-of random sequences.
+of random sequences; and the compiled step with the baseline target of commit d088ec2 (`MaskedTarget`:
+a dense causal mask in the training forward, float32 logits at the slots).
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
 weights), the default drafter and its rank-0 twin (--no-rank0-twin: the drafter alone), sequences
@@ -34,15 +35,32 @@ from torch._dynamo.utils import counters
 
 from dspark.config import TargetConfig
 from dspark.data import Sequence
-from dspark.target import TargetModel
+from dspark.target import TargetModel, grouped_mask
 from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_student, train_step
 from engine_step import SMOLLM2
 from timing import emit_table, print_profile
 
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
-# (name, what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig.bucket_batches)
-VARIANTS = {"eager": ("none", 1), "compiled loss": ("loss", 1), "compiled step": ("all", 1),
-            "compiled step, length buckets": ("all", 16)}
+
+
+class MaskedTarget(TargetModel):
+    """The baseline target of commit d088ec2 and before: its training forward attends through a dense
+    causal mask (which the attention expands in every layer) and gives float32 logits at the slots."""
+
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.max_seq_len is not None:
+            return super().attention_mask(positions)
+        visible = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device)
+        return grouped_mask(visible.tril()[None], self.config.num_attention_heads // self.config.num_key_value_heads)
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **{**kwargs, "logits_dtype": torch.float32})
+
+
+# (name, what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig.bucket_batches, target class)
+VARIANTS = {"eager": ("none", 1, TargetModel), "compiled loss": ("loss", 1, TargetModel),
+            "compiled step": ("all", 1, TargetModel), "compiled step, length buckets": ("all", 16, TargetModel),
+            "compiled step, masked target (d088ec2)": ("all", 1, MaskedTarget)}
 
 
 def drawn_lengths(count: int, prompt_len: int, response_len: int) -> list[tuple[int, int]]:
@@ -119,7 +137,8 @@ def main():
         device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2, (400, 192), args.steps, 5
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = TargetModel(config).to(device, dtype).eval().requires_grad_(False)
+    targets = {cls: cls(config).to(device, dtype).eval().requires_grad_(False) for cls in (TargetModel, MaskedTarget)}
+    targets[MaskedTarget].load_state_dict(targets[TargetModel].state_dict())
     rows, runs = [], {}
     for batch_size in batch_sizes:
         recipe = dataclasses.replace(recipe, batch_size=batch_size)
@@ -128,11 +147,12 @@ def main():
         lengths = data_lengths(args.lengths_from) if args.lengths_from else drawn_lengths(count, *shapes)
         sequences = random_sequences(lengths, config.vocab_size)
         for name in args.variants:
-            compile, bucket_batches = VARIANTS[name]
+            compile, bucket_batches, target_class = VARIANTS[name]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             variant_recipe = dataclasses.replace(recipe, bucket_batches=bucket_batches)
-            runs[name] = step_runner(target, sequences, variant_recipe, compile, device, args.rank0_twin)
+            runs[name] = step_runner(targets[target_class], sequences, variant_recipe, compile, device,
+                                     args.rank0_twin)
             graphs = counters["stats"]["unique_graphs"]
             rate = steps_per_second(runs[name], steps, warmup, device)
             graphs = counters["stats"]["unique_graphs"] - graphs

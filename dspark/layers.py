@@ -31,14 +31,14 @@ class RMSNorm(nn.Module):
 MIN_CPU_GEMM_ROWS = 8
 
 
-def project_vocab(lm_head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    """lm_head(hidden) in float32: hidden [..., d] -> logits [..., V]. On CPU a product of 2..7 rows
+def project_vocab(lm_head: nn.Linear, hidden: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """lm_head(hidden) in `dtype`: hidden [..., d] -> logits [..., V]. On CPU a product of 2..7 rows
     is padded to MIN_CPU_GEMM_ROWS rows (the extra rows are dropped)."""
     rows = hidden.shape[:-1].numel()
     if hidden.device.type == "cpu" and 1 < rows < MIN_CPU_GEMM_ROWS:
         flat = F.pad(hidden.reshape(rows, -1), (0, 0, 0, MIN_CPU_GEMM_ROWS - rows))
-        return lm_head(flat)[:rows].view(*hidden.shape[:-1], -1).float()
-    return lm_head(hidden).float()
+        return lm_head(flat)[:rows].view(*hidden.shape[:-1], -1).to(dtype)
+    return lm_head(hidden).to(dtype)
 
 
 def rope_inv_freq(config: TargetConfig) -> torch.Tensor:

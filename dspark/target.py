@@ -47,13 +47,16 @@ class KVCache(nn.Module):
         return self.read(rows, positions.shape[0])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention with grouped-query heads: the query heads that share a KV head run as extra query
-    rows of that head, so K and V are used as they are (no repeated copies).
+    rows of that head, so K and V are used as they are (no repeated copies). `mask=None` is causal
+    attention over the same T tokens (no mask to build: the fused kernels skip the masked blocks).
 
     q: [B, H, T, D]; k, v: [B, H_kv, S, D]; mask: [B or 1, 1, H / H_kv * T, S] bool (True = visible,
-    rows ordered (group, t), as `grouped_mask` builds it) -> [B, H, T, D]
+    rows ordered (group, t), as `grouped_mask` builds it) or None -> [B, H, T, D]
     """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     batch, num_heads, length, head_dim = q.shape
     q = q.reshape(batch, k.shape[1], -1, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -114,28 +117,32 @@ class TargetModel(nn.Module):
             layer.kv_cache = None
         self.max_seq_len = None
 
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The mask `attend` takes for tokens at `positions` [B, T]: with caches, each query sees the
+        cached keys at positions <= its own; without, None (causal attention over the tokens)."""
+        if self.max_seq_len is None:
+            return None
+        cached = torch.arange(self.max_seq_len, device=positions.device)
+        visible = cached[None, None, :] <= positions[:, :, None]
+        return grouped_mask(visible, self.config.num_attention_heads // self.config.num_key_value_heads)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
-                hidden_layer_ids: Sequence[int] = (),
-                logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden_layer_ids: Sequence[int] = (), logits_at: torch.Tensor | None = None,
+                logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens, positions: [B, T] long; rows: [B] long cache rows (default 0..B-1);
         logits_at: [B, P] long indices into the T tokens whose logits are wanted (default: all T).
 
         Without caches this is a causal forward over `tokens`. With caches, the tokens' keys and
         values are written at (rows, positions) and each query sees the cached keys at positions
-        <= its own. Returns logits [B, T or P, vocab] float32 and the outputs of decoder layers
-        `hidden_layer_ids` (-1 = the embeddings) concatenated: [B, T, len(ids) * hidden] in the
-        model's dtype, or None when no ids are asked for.
+        <= its own. Returns logits [B, T or P, vocab] in `logits_dtype` (training asks for the
+        model's dtype: the product's own precision, half the bytes of float32) and the outputs of
+        decoder layers `hidden_layer_ids` (-1 = the embeddings) concatenated: [B, T, len(ids) *
+        hidden] in the model's dtype, or None when no ids are asked for.
         """
         for i in hidden_layer_ids:
             if not -1 <= i < len(self.layers):
                 raise ValueError(f"hidden layer id {i} is out of range [-1, {len(self.layers) - 1}]")
-        length = tokens.shape[1]
-        if self.max_seq_len is None:
-            visible = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()[None]
-        else:
-            cached = torch.arange(self.max_seq_len, device=tokens.device)
-            visible = cached[None, None, :] <= positions[:, :, None]
-        mask = grouped_mask(visible, self.config.num_attention_heads // self.config.num_key_value_heads)
+        mask = self.attention_mask(positions)
         cos, sin = self.rotary(positions)
 
         x = self.embed_tokens(tokens)
@@ -146,7 +153,7 @@ class TargetModel(nn.Module):
                 hidden[i] = x
         if logits_at is not None:  # the vocabulary projection only where it is used
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        logits = project_vocab(self.lm_head, self.norm(x))
+        logits = project_vocab(self.lm_head, self.norm(x), logits_dtype)
         if not hidden_layer_ids:
             return logits, None
         return logits, torch.cat([hidden[i] for i in hidden_layer_ids], dim=-1)

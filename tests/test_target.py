@@ -195,8 +195,13 @@ def test_dtype_of_caches_logits_and_hidden():
     assert model.layers[0].kv_cache.k_cache.shape == (2, 2, 8, 8)
     assert model.layers[0].kv_cache.k_cache.dtype == torch.bfloat16
     assert model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
-    logits, hidden = model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), hidden_layer_ids=(1,))
+    tokens, positions = torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3)
+    logits, hidden = model(tokens, positions, hidden_layer_ids=(1,))
     assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
+    # in the model's dtype (as training asks), the same values: the product gives no more digits
+    own, _ = model(tokens, positions, logits_dtype=torch.bfloat16)
+    assert own.dtype == torch.bfloat16
+    torch.testing.assert_close(own.float(), logits, atol=0, rtol=0)
 
 
 @torch.no_grad()

@@ -121,11 +121,12 @@ def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, va
 
 def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,
                  config: DrafterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's plain causal forward over the batch: its logits at the slots' positions and the
-    drafter's context features (the outputs of `config.target_layer_ids`; read from the config, not
-    passed as ints, so that a compiled copy keeps them constants rather than symbolic).
-    tokens: [B, S]; at: [B, N, K] -> [B, N, K, V] float32, [B, S, m * hidden]"""
+    """The target's plain causal forward over the batch: its logits at the slots' positions (in the
+    target's dtype, as its product gives them; the loss computes in float32) and the drafter's
+    context features (the outputs of `config.target_layer_ids`; read from the config, not passed as
+    ints, so that a compiled copy keeps them constants rather than symbolic).
+    tokens: [B, S]; at: [B, N, K] -> [B, N, K, V], [B, S, m * hidden]"""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     logits, features = target(tokens, positions, hidden_layer_ids=config.target_layer_ids,
-                              logits_at=at.flatten(1))
+                              logits_at=at.flatten(1), logits_dtype=target.embed_tokens.weight.dtype)
     return logits.view(*at.shape, -1), features
