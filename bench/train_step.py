@@ -159,6 +159,7 @@ def main():
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             rows.append(f"| {batch_size} | {name} | {1000 / rate:.1f} | {rate:.2f} | {rate * batch_size:.0f} "
                         f"| {peak:.1f} | {graphs} |")
+            print(rows[-1], flush=True)  # as it comes: a call cut off by a time limit keeps its rows
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     data = (f"the prompt and response lengths of {args.lengths_from}" if args.lengths_from else
             f"prompts of {shapes[0] // 4}-{shapes[0]}, responses of {shapes[1] // 2}-{shapes[1]} tokens")

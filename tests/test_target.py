@@ -245,3 +245,19 @@ def test_vocabulary_projection_pads_few_rows_on_cpu_and_gives_the_plain_product(
     logits = project_vocab(lm_head, hidden)
     assert logits.shape == (*shape[:-1], 50) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, lm_head(hidden), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_cuda_causal_forward_matches_the_masked_cached_one_eager_and_compiled():
+    """Training's forward on CUDA (no caches: SDPA's causal kernels, grouped heads, no mask) gives
+    what the cached forward (a dense mask over the cache) gives, eagerly and compiled, in bfloat16."""
+    model = make_model(architecture="qwen3", head_dim=64).to("cuda", torch.bfloat16)
+    tokens = torch.randint(0, 97, (3, 70), device="cuda")
+    positions = torch.arange(70, device="cuda").expand(3, 70)
+    causal, hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
+    compiled, compiled_hidden = torch.compile(model, dynamic=True)(tokens, positions, hidden_layer_ids=(0, 2))
+    model.setup_caches(max_batch_size=3, max_seq_len=128)
+    masked, masked_hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
+    for got, want in ((causal, masked), (hidden, masked_hidden), (compiled, masked), (compiled_hidden, masked_hidden)):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)
