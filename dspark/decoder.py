@@ -307,13 +307,14 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             drafts = self.draft(anchor, start, draft_probs, sampling)
             tokens = torch.cat([tokens, drafts], dim=1)
-        step = self.step
         if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
             graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
 
             def step(*_):
                 graph.replay()
                 return graph_outputs
+        else:
+            step = self.step
 
         outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
         readback = None if outputs is None else Readback(*outputs[:2])
