@@ -250,14 +250,23 @@ def test_vocabulary_projection_pads_few_rows_on_cpu_and_gives_the_plain_product(
 @pytest.mark.gpu
 @torch.no_grad()
 def test_cuda_causal_forward_matches_the_masked_cached_one_eager_and_compiled():
-    """Training's forward on CUDA (no caches: SDPA's causal kernels, grouped heads, no mask) gives
-    what the cached forward (a dense mask over the cache) gives, eagerly and compiled, in bfloat16."""
-    model = make_model(architecture="qwen3", head_dim=64).to("cuda", torch.bfloat16)
+    """Training's forward on CUDA (no caches: SDPA's causal kernels, grouped heads, no mask) in
+    bfloat16, eager and compiled, is as close to the float32 cached forward (a dense mask over the
+    cache) as the bfloat16 cached forward is: the two paths differ by rounding only. A wrong causal
+    mask or head grouping misses by the size of the outputs themselves."""
+    model = make_model(architecture="qwen3", head_dim=64).to("cuda")
     tokens = torch.randint(0, 97, (3, 70), device="cuda")
     positions = torch.arange(70, device="cuda").expand(3, 70)
-    causal, hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
-    compiled, compiled_hidden = torch.compile(model, dynamic=True)(tokens, positions, hidden_layer_ids=(0, 2))
-    model.setup_caches(max_batch_size=3, max_seq_len=128)
-    masked, masked_hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
-    for got, want in ((causal, masked), (hidden, masked_hidden), (compiled, masked), (compiled_hidden, masked_hidden)):
-        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)
+
+    def outputs(model, cached=False):  # logits and the two hidden states, flattened into one vector
+        if cached:
+            model.setup_caches(max_batch_size=3, max_seq_len=128)
+        logits, hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
+        return torch.cat([t.float().flatten() for t in (logits, *hidden)])
+
+    reference = outputs(make_model_like(model).to("cuda"), cached=True)
+    bf16 = make_model_like(model).to("cuda", torch.bfloat16)
+    causal, compiled = outputs(bf16), outputs(torch.compile(bf16, dynamic=True))
+    masked_error = (outputs(bf16, cached=True) - reference).abs().max()
+    for got in (causal, compiled):
+        assert (got - reference).abs().max() <= 2 * masked_error, (got - reference).abs().max() / masked_error

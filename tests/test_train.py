@@ -222,7 +222,7 @@ def test_default_drafter_config_fits_the_size_budget():
     smollm2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                            num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)
     config = training.default_drafter_config(smollm2, mask_token_id=16)
-    assert config.target_layer_ids == [1, 14, 27] and config.block_size == 7
+    assert config.target_layer_ids == [1, 8, 14, 20, 27] and config.block_size == 7
     with torch.device("meta"):
         embed = torch.nn.Embedding(smollm2.vocab_size, smollm2.hidden_size)
         lm_head = torch.nn.Linear(smollm2.hidden_size, smollm2.vocab_size)

@@ -46,9 +46,9 @@ On every exit the current weights are also written in DeepSpec's format, in bflo
 OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same batches without a
 Markov head, to measure what the head adds).
 
-Default drafter (35.8 MB in bf16): 3 layers of the target's shapes (d 576, 9 heads, 3 KV heads,
-SwiGLU 1536), block size 7, target layers [1, 14, 27] of 30, Markov rank 64 (2 x 49152 x 64 = 6.3M
-of its 17.9M parameters), a confidence head over [h ; W1[prev]], mask token <empty_output> (16).
+Default drafter (37.1 MB in bf16): 3 layers of the target's shapes (d 576, 9 heads, 3 KV heads,
+SwiGLU 1536), block size 7, target layers [1, 8, 14, 20, 27] of 30, Markov rank 64 (2 x 49152 x 64
+= 6.3M of its 18.6M parameters), a confidence head over [h ; W1[prev]], mask token <empty_output> (16).
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the Markov head's variant (dspark.markov); rnn carries a state along the block")
     p.add_argument("--target-layer-ids", type=lambda text: [int(i) for i in text.split(",")], default=None,
                    help="the target layers whose outputs the drafter reads, e.g. 25,26,27 "
-                        "(default: one per drafter layer, spread over 1..n-3)")
+                        "(default: five, spread over 1..n-3)")
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default: all)")
     p.add_argument("--synthetic-prompts", type=int, default=0,
                    help="user messages for the target to write (dspark.data.synthetic_prompts) and answer too; "
