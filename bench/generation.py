@@ -10,6 +10,7 @@ does not depend on the weights; no row meets a stop token, so every call runs th
 The variants take turns, each call timed with a device synchronisation at both ends.
 
     python bench/generation.py [--batch 2048] [--max-tokens 192] [--rounds 2] [--out table.md]
+    python bench/generation.py --profile    # and the kernels of one eager generate call of dspark's
     python bench/generation.py --smoke      # CPU, a tiny target, eager only: checks that it runs
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
 from engine_step import SMOLLM2
 from prefill import draw_prompts
-from timing import emit_table
+from timing import emit_table, print_profile
 
 
 class ReadsAtOnce(SpeculativeDecoder):
@@ -54,6 +55,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens per row (self-distillation's limit)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one eager generate call of dspark's decoder (a CUDA graph replays the same kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
@@ -75,6 +78,11 @@ def main() -> None:
             prompts = draw_prompts(args.batch, args.lengths, config.vocab_size, generator)
             for name, decoder in variants.items():
                 seconds[mode, name].append(generate_seconds(decoder, prompts, args.max_tokens, graph))
+
+    if args.profile:
+        prompts = draw_prompts(args.batch, args.lengths, config.vocab_size, generator)
+        decoder = variants["behind, a step queued (dspark)"]
+        print_profile([lambda: generate_seconds(decoder, prompts, args.max_tokens, False)], device, unit="generate call")
 
     tokens = args.batch * args.max_tokens
     lines = [f"generation, {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
