@@ -264,8 +264,8 @@ def test_cuda_causal_forward_matches_the_masked_cached_one_eager_and_compiled():
         logits, hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
         return torch.cat([t.float().flatten() for t in (logits, *hidden)])
 
-    reference = outputs(make_model_like(model).to("cuda"), cached=True)
     bf16 = make_model_like(model).to("cuda", torch.bfloat16)
+    reference = outputs(model, cached=True)
     causal, compiled = outputs(bf16), outputs(torch.compile(bf16, dynamic=True))
     masked_error = (outputs(bf16, cached=True) - reference).abs().max()
     for got in (causal, compiled):
