@@ -38,7 +38,11 @@ class Student:
 
 
 def make_student(name: str, target: TargetModel, config: DrafterConfig, train: TrainConfig) -> Student:
-    drafter = DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+    """A fresh drafter, its initial weights a function of `train.seed` alone (the global random
+    state is left as it was), so that a twin begins with the drafter's backbone."""
+    with torch.random.fork_rng(devices=[]):  # the weights are drawn on the CPU, then moved
+        torch.manual_seed(train.seed)
+        drafter = DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
     drafter.to(target.embed_tokens.weight.device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
