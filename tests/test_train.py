@@ -286,6 +286,15 @@ def test_batches_anchor_only_response_positions_with_labels():
             assert torch.equal(batch.valid[row], used[:, None] & (label_at < length))
 
 
+def test_heldout_batches_hold_every_heldout_sequence_once_in_order():
+    # 10 sequences of distinct lengths, 4 a batch: batches of 4, 4 and 2 (the old cut kept 8)
+    sequences = [Sequence(list(range(1, 12 + n)), prompt_len=4) for n in range(10)]
+    batches = training.heldout_batches(sequences, training.TrainConfig(batch_size=4, num_anchors=3), block_size=2)
+    assert [len(b.tokens) for b in batches] == [4, 4, 2]
+    lengths = [int(n) for b in batches for n in (b.tokens > 0).sum(1)]
+    assert lengths == [len(s.tokens) for s in sequences]
+
+
 def test_follow_ups_are_where_a_greedy_decode_drafts_next_and_take_their_share_of_the_anchors():
     sequences = [Sequence(list(range(1, 41)), prompt_len=4), Sequence(list(range(1, 21)), prompt_len=12)]
     config = training.TrainConfig(batch_size=2, num_anchors=8, followup_anchors=0.5)

@@ -3,7 +3,6 @@ FollowUps), padded into a Batch (make_batch). All functions of (seed, step, foll
 resumed run sees the batches an uninterrupted one would."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +129,8 @@ def make_batch(chosen: list[Sequence], step: int, config: TrainConfig, block_siz
 
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:
-    """Fixed batches (sequences and anchors) of held-out sequences, to follow generalization."""
-    config = dataclasses.replace(config, batch_size=min(config.batch_size, len(sequences)))
-    order = BatchOrder([len(s.tokens) for s in sequences], config)
-    return [make_batch([sequences[i] for i in order(step)], step, config, block_size)
-            for step in range(order.batches_per_epoch)]
+    """Fixed batches (sequences and anchors) of every held-out sequence, in order, `config.batch_size`
+    a batch (the last may be shorter), to follow generalization."""
+    size = config.batch_size
+    return [make_batch(sequences[begin:begin + size], begin // size, config, block_size)
+            for begin in range(0, len(sequences), size)]
