@@ -36,7 +36,7 @@ from torch._dynamo.utils import counters
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.target import TargetModel, grouped_mask
-from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_student, train_step
+from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students, train_step
 from engine_step import SMOLLM2
 from timing import emit_table, print_profile
 
@@ -85,10 +85,8 @@ def random_sequences(lengths: list[tuple[int, int]], vocab: int) -> list[Sequenc
 
 def step_runner(target, sequences, recipe, compile, device, rank0_twin: bool):
     """run(step): one training step of a fresh drafter (and its rank-0 twin) on batch `step`."""
-    students = [make_student("drafter", target, default_drafter_config(target.config, 16), recipe)]
-    if rank0_twin:
-        twin = default_drafter_config(target.config, 16, markov_rank=0)
-        students.append(make_student("drafter-rank0", target, twin, recipe))
+    students = make_students(target, default_drafter_config(target.config, 16),
+                             dataclasses.replace(recipe, rank0_twin=rank0_twin))
     block_size = students[0].drafter.block_size
     order = BatchOrder([len(s.tokens) for s in sequences], recipe)
 

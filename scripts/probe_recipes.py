@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -28,10 +29,24 @@ CACHES = ("synthetic.jsonl", "sequences.jsonl", "heldout.jsonl")  # what dspark.
 def heldout_estimates(run: Path) -> dict[int, tuple[float, float]]:
     """step -> (AL estimate on the sampled responses, greedy AL estimate on the greedy ones)."""
     log = run / "log.jsonl"
-    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return {row["step"]: (row["heldout"]["sampled"]["drafter"]["al_estimate"],
-                          row["heldout"]["greedy"]["drafter"]["al_greedy_estimate"])
-            for row in rows if "heldout" in row}
+    estimates = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a lost machine
+            continue
+        if "heldout" in row:
+            estimates[row["step"]] = (row["heldout"]["sampled"]["drafter"]["al_estimate"],
+                                      row["heldout"]["greedy"]["drafter"]["al_greedy_estimate"])
+    return estimates
+
+
+def copy_caches(donor: Path, run: Path) -> None:
+    """The donor's data caches into `run`, each whole or not at all."""
+    for cache in CACHES:
+        if (donor / cache).exists() and not (run / cache).exists():
+            shutil.copyfile(donor / cache, run / (cache + ".tmp"))
+            os.replace(run / (cache + ".tmp"), run / cache)
 
 
 def parse_probe(text: str) -> tuple[str, list[str]]:
@@ -49,9 +64,9 @@ def main() -> None:
     p.add_argument("--probe", type=parse_probe, action="append", required=True, help="NAME=FLAGS, in order")
     p.add_argument("shared", nargs=argparse.REMAINDER, help="-- then the flags every probe shares")
     args = p.parse_args()
-    if args.stop_at < 1 or args.stop_at % args.heldout_every:
-        p.error(f"--stop-at must be a positive multiple of --heldout-every ({args.heldout_every}): the "
-                f"probes end on a held-out estimate; got {args.stop_at}")
+    names = [name for name, _ in args.probe]
+    if len(set(names)) < len(names):
+        p.error(f"probe names must differ (each is a run folder), got {names}")
     shared = args.shared[1:] if args.shared[:1] == ["--"] else args.shared
     for name, flags in args.probe:
         run = args.out / name
@@ -60,9 +75,8 @@ def main() -> None:
         donor = next((args.out / n for n, _ in args.probe
                       if args.stop_at in heldout_estimates(args.out / n)), None)
         run.mkdir(parents=True, exist_ok=True)
-        for cache in CACHES if donor is not None else ():
-            if not (run / cache).exists():
-                shutil.copyfile(donor / cache, run / cache)
+        if donor is not None:
+            copy_caches(donor, run)
         resume = ["--resume"] if (run / "checkpoint.pt").exists() else []
         command = [sys.executable, "-m", "dspark.train", "--out", str(run), *shared, *flags, *resume,
                    "--stop-at", str(args.stop_at), "--heldout-every", str(args.heldout_every)]
@@ -70,6 +84,9 @@ def main() -> None:
         started = time.monotonic()
         subprocess.run(command, check=True)
         print(f"probe {name}: {time.monotonic() - started:.0f} s", flush=True)
+        if args.stop_at not in heldout_estimates(run):
+            raise SystemExit(f"probe {name} ended before its held-out estimate at step {args.stop_at} "
+                             "(a time budget in the shared flags?); run the command again to resume it")
 
     estimates = {name: heldout_estimates(args.out / name) for name, _ in args.probe}
     steps = sorted({step for rows in estimates.values() for step in rows})

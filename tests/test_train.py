@@ -133,6 +133,8 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
     with pytest.raises(ValueError, match="followup_anchors"):
         training.train(target, tiny_drafter_config(target), sequences, tmp_path,
                        dataclasses.replace(config, followup_anchors=0.5), resume=True)
+    with pytest.raises(ValueError, match="at step 2: --steps 2 leaves nothing to train"):
+        training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, resume=True)
     training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, steps=3),
                    resume=True)
 
@@ -187,11 +189,16 @@ def test_initial_weights_are_a_function_of_the_seed_and_the_twin_starts_from_the
     assert backbone and all(torch.equal(weights[n], twin.drafter.state_dict()[n]) for n in backbone)
 
 
-def test_stop_at_is_a_step_count_of_a_schedule_not_fitted():
-    assert training.parse_args(["--out", "x", "--steps", "100", "--stop-at", "20"]).stop_at == 20
-    for bad in (["--stop-at", "0"], ["--stop-at", "20", "--fit-steps", "--time-budget-s", "60"]):
+def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
+    probe = training.parse_args(["--out", "x", "--steps", "100", "--stop-at", "20", "--heldout-every", "10"])
+    assert probe.stop_at == 20
+    for bad in (["--stop-at", "0"], ["--steps", "100", "--stop-at", "200", "--heldout-every", "100"],
+                ["--stop-at", "20", "--heldout-every", "20", "--fit-steps", "--time-budget-s", "60"],
+                ["--stop-at", "30", "--heldout-every", "20"],  # would end without a held-out estimate
+                ["--log-every", "0"], ["--batch-size", "0"], ["--heldout-every", "0"], ["--heldout-prompts", "-1"]):
         with pytest.raises(SystemExit):
             training.parse_args(["--out", "x", *bad])
+    assert training.parse_args(["--out", "x", "--stop-at", "30", "--heldout-prompts", "0"]).stop_at == 30
 
 
 def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):

@@ -92,9 +92,10 @@ class FollowUps:
 
 def pick_anchors(seq: Sequence, generator: torch.Generator, config: TrainConfig,
                  followed_up: torch.Tensor | None) -> torch.Tensor:
-    """Up to `num_anchors` sorted anchors p among the response positions with a label at p + 1: of
-    the sequence's follow-up positions `followed_up` those among them (a share `followup_anchors` at
-    most, a random choice when there are more), the rest random."""
+    """Up to `num_anchors` sorted anchors p among the response positions with a label at p + 1
+    (prompt_len <= p < len - 1): the sequence's follow-up positions `followed_up` that are such
+    positions (a share `followup_anchors` of the anchors at most, a random choice when there are
+    more), the rest random."""
     order = torch.randperm(len(seq.tokens) - 1 - seq.prompt_len, generator=generator) + seq.prompt_len
     if followed_up is None or not config.followup_anchors:
         return order[:config.num_anchors].sort().values

@@ -3,7 +3,8 @@
     python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 14000 --fit-steps \
         --argmax-weight 0.3 --kl-weight 0.3 --synthetic-prompts 49152 --responses-per-prompt 2 \
         --time-budget-s 1190                                  # the shipped drafter's run (20 minutes)
-    python -m dspark.train --out runs/smollm2 --device cuda --time-budget-s 540 --resume
+    python -m dspark.train --out runs/smollm2 ... --steps FITTED --resume   # a cut run: its flags, and
+                                                  # the fitted total from log.jsonl for --steps
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
     python -m dspark.train --out runs/probe --device cuda --no-rank0-twin --steps 13206 --stop-at 2000 \
         --heldout-every 1000 ...            # a recipe's probe: the first 2,000 steps of that schedule
@@ -38,10 +39,10 @@ answered by the target like the training prompts, never trained on) show how wel
 generalizes beyond the sequences it has seen, separately on each prompt's greedy response (the text
 a decode at T = 0 walks: read its "greedy AL") and on its sampled one (what T = 1 meets: read "AL").
 
-Resumable: `OUT/checkpoint.pt` (every --save-every steps and when --time-budget-s runs out) holds
-the trainable weights, the optimizer and scheduler states, the step and the follow-ups. The batch
-order and the anchors are functions of (seed, step, follow-ups), so a resumed run continues exactly
-as an uninterrupted one.
+Resumable: `OUT/checkpoint.pt` (every --save-every steps, and when the run ends or stops) holds
+the trainable weights, the optimizer and scheduler states, the step and the follow-ups. The initial
+weights, the batch order and the anchors are functions of (seed, step, follow-ups), so a resumed run
+continues exactly as an uninterrupted one.
 Only --steps may change on resume (to fit the schedule to the time left): the cosine decay then
 follows the new total from the current step on.
 On every exit the current weights are also written in DeepSpec's format, in bfloat16, to
@@ -72,6 +73,9 @@ from dspark.train.schedule import TimeBudget
 from dspark.train.step import COMPILE_MODES, compile_ahead
 
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
+POSITIVE_ARGS = ("steps", "batch_size", "num_anchors", "bucket_batches", "save_every", "log_every",
+                 "heldout_every", "num_layers", "block_size", "responses_per_prompt", "max_tokens",
+                 "gen_batch_size")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,21 +128,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="what torch.compile covers in a step (default: all of it on the GPU, nothing on the CPU)")
     args = p.parse_args(argv)
-    if args.fit_steps and args.time_budget_s is None:
-        p.error("--fit-steps needs --time-budget-s")
-    if args.stop_at is not None and (args.stop_at < 1 or args.fit_steps):
-        p.error(f"--stop-at needs a step count >= 1 (got {args.stop_at}) and a schedule of --steps, "
-                "not --fit-steps")
     if args.smoke:
         args.device = "cpu"
         args.steps, args.batch_size, args.num_anchors, args.save_every, args.log_every = 4, 2, 8, 2, 1
         args.num_prompts, args.max_tokens, args.gen_batch_size = 4, 12, 4
         args.synthetic_prompts, args.synthetic_max_tokens = 8, 48
         args.heldout_prompts, args.heldout_every = 2, 2
+    for name in POSITIVE_ARGS:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("markov_rank", "num_prompts", "synthetic_prompts", "heldout_prompts"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.fit_steps and args.time_budget_s is None:
+        p.error("--fit-steps needs --time-budget-s")
+    if args.stop_at is not None:
+        if args.fit_steps or not 1 <= args.stop_at <= args.steps:
+            p.error(f"--stop-at needs a step of the --steps schedule (1..{args.steps}, not --fit-steps), "
+                    f"got {args.stop_at}")
+        if args.heldout_prompts != 0 and args.stop_at % args.heldout_every:
+            p.error(f"--stop-at {args.stop_at} must be a multiple of --heldout-every {args.heldout_every}, "
+                    "so that the run ends on a held-out estimate")
     return args
 
 
-def load_target(args: argparse.Namespace) -> tuple[TargetModel, object]:
+def load_training_target(args: argparse.Namespace) -> tuple[TargetModel, object]:
     """The default target (bf16 on CUDA, fp32 on the CPU) and its tokenizer."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -152,7 +166,7 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
     """The training sequences and the held-out ones (heldout_sequences): the target's responses to
     their prompts, generated into (or read from) the caches in args.out; None when the deadline comes
     first. `models`: the target and tokenizer (default: loaded)."""
-    target, tokenizer = models or load_target(args)
+    target, tokenizer = models or load_training_target(args)
     prompts, heldout = training_prompts(args.num_prompts, seed=args.seed), heldout_prompts()
     if args.synthetic_prompts:
         written = synthetic_prompts(target, tokenizer, args.out / "synthetic.jsonl", args.synthetic_prompts,
@@ -197,12 +211,13 @@ def main(argv=None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
     deadline = None if args.time_budget_s is None else started + args.time_budget_s
-    # The data is generated in a process of its own while this one compiles the training step.
-    generation = multiprocessing.get_context("spawn").Process(target=generate_data, args=(args, deadline),
-                                                              name="self-distill")
-    generation.start()
-    target, tokenizer = load_target(args)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    # The data is generated in a process of its own while this one compiles the training step; a
+    # daemon, so that an error here ends it too (its cache resumes from what it wrote).
+    generation = multiprocessing.get_context("spawn").Process(target=generate_data, args=(args, deadline),
+                                                              name="self-distill", daemon=True)
+    generation.start()
+    target, tokenizer = load_training_target(args)
     mask_token_id = tokenizer.token_to_id(MASK_TOKEN)
     if mask_token_id is None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")

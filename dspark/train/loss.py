@@ -56,8 +56,8 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
     BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax and kl_weight
     KL(target || draft); the acceptance estimate 1 - TV (T = 1) and the argmax agreement (T = 0).
-    One function of tensors, so that torch.compile fuses its passes over the vocabulary (train_step
-    compiles it on the GPU).
+    One function of tensors, so that torch.compile fuses its passes over the vocabulary (compiled
+    alone with --compile loss, inside dspark_loss with the GPU's default, all).
 
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
     confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
@@ -87,8 +87,8 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
                 valid: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, target_logits: torch.Tensor,
                 config: TrainConfig, losses: Callable = slot_losses
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSpec's loss for one drafter: CE + TV + confidence BCE over the valid slots, position k
-    weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
+    """DeepSpec's loss for one drafter: CE + TV + confidence BCE (+ the argmax and KL terms, see
+    slot_losses) over the valid slots, position k weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
     tensors without host syncs, so the whole of it compiles too (see COMPILE_MODES).
 
     features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];

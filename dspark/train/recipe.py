@@ -31,6 +31,11 @@ class TrainConfig:
             raise ValueError(f"followup_anchors is a share of the anchors, in [0, 1], got {self.followup_anchors}")
 
 
+# Five feature layers, not one per drafter layer: for SmolLM2 they decode +0.13 AL at T = 0 over
+# three, and seven add no more (docs/performance.md: the fifteenth training run, the probe after it).
+NUM_FEATURE_LAYERS = 5
+
+
 def build_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """`count` target layers spread evenly over [1, n-3] (never the last layer, whose output is
     post-norm in HF), the middle one for a count of 1: z-lab's choice, whose drafters read one layer
@@ -43,13 +48,12 @@ def build_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
 
 def default_drafter_config(target: TargetConfig, mask_token_id: int, num_layers: int = 3, block_size: int = 7,
                            markov_rank: int = 64, target_layer_ids: list[int] | None = None,
-                           markov_head_type: str = "vanilla", num_feature_layers: int = 5) -> DrafterConfig:
+                           markov_head_type: str = "vanilla") -> DrafterConfig:
     """The drafter trained for `target`; its features come from `target_layer_ids` (default:
-    `num_feature_layers` of them, build_target_layer_ids), of which none may be the target's last
-    layer (DrafterConfig checks). Five feature layers, not one per drafter layer: for SmolLM2 they
-    decode +0.13 AL at T = 0 over three (docs/performance.md, the fifteenth training run)."""
+    NUM_FEATURE_LAYERS of them, build_target_layer_ids), of which none may be the target's last
+    layer (DrafterConfig checks)."""
     if target_layer_ids is None:
-        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_feature_layers)
+        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, NUM_FEATURE_LAYERS)
     return DrafterConfig.for_target(
         target, num_hidden_layers=num_layers, block_size=block_size, markov_rank=markov_rank,
         markov_head_type=markov_head_type, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,

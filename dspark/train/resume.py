@@ -41,6 +41,8 @@ def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
             changed = sorted(k for k in ours if state[key].get(k) != ours[k])
             raise ValueError(f"{path} was trained with another {key} (differs in {changed}); "
                              "resume with the same settings or use another --out")
+    if state["step"] >= config.steps:
+        raise ValueError(f"{path} is at step {state['step']}: --steps {config.steps} leaves nothing to train")
     for student in students:
         student.load_state_dict(state["students"][student.name])
     if followups is not None:

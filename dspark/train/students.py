@@ -22,14 +22,18 @@ class Student:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
 
+    def trainable(self) -> set[str]:
+        """The names of the drafter's trained parameters (the shared embedding and LM head are frozen)."""
+        return {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+
     def state_dict(self) -> dict:
-        trainable = {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+        trainable = self.trainable()
         return {"weights": {n: t for n, t in self.drafter.state_dict().items() if n in trainable},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         missing, unexpected = self.drafter.load_state_dict(state["weights"], strict=False)
-        trainable = {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+        trainable = self.trainable()
         if unexpected or trainable & set(missing):  # frozen (shared, maybe tied) weights are not saved
             raise ValueError(f"checkpoint does not fit drafter {self.name!r}: missing "
                              f"{sorted(trainable & set(missing))}, unexpected {sorted(unexpected)}")
