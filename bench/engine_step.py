@@ -25,7 +25,7 @@ import torch
 from dspark import (DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel,
                     load_drafter)
 from dspark.compile.runner import StepRunner
-from dspark.loading import DEFAULT_DRAFTER
+from dspark.loading import DEFAULT_DRAFTER, measuring_dtype
 from timing import emit_table
 
 SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -96,7 +96,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, config, batches, steps = torch.device("cuda"), SMOLLM2, args.batches, args.steps
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = measuring_dtype(device)
     target = TargetModel(config).to(device, dtype).eval()
     if args.smoke:
         drafter = DSparkDrafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=7,

@@ -23,6 +23,7 @@ import time
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark.loading import measuring_dtype
 from engine_step import SMOLLM2
 from prefill import draw_prompts
 from timing import emit_table, print_profile
@@ -66,7 +67,7 @@ def main() -> None:
         device, config = torch.device("cuda"), SMOLLM2
     modes = {"CUDA graph": True, "eager": False} if device.type == "cuda" else {"eager": False}
     torch.manual_seed(0)
-    target = TargetModel(config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    target = TargetModel(config).to(device, measuring_dtype(device)).eval()
     variants = {"each step at once": ReadsAtOnce(target, None), "behind, a step queued (dspark)": SpeculativeDecoder(target, None)}
     generator = torch.Generator().manual_seed(0)
     for decoder in variants.values():  # one-time costs

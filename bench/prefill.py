@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend
 
 import dspark.decoder
 from dspark import SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark.loading import measuring_dtype
 from dspark.sampling import SamplingTensors
 from engine_step import SMOLLM2
 from timing import emit_table, print_profile
@@ -70,7 +71,7 @@ def main() -> None:
     else:
         device, config = torch.device("cuda"), SMOLLM2
     torch.manual_seed(0)
-    target = TargetModel(config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    target = TargetModel(config).to(device, measuring_dtype(device)).eval()
     target.setup_caches(args.batch, args.lengths[1] + args.single + 1)
     decoder = SpeculativeDecoder(target, None)
     generator = torch.Generator().manual_seed(0)

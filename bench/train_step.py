@@ -35,6 +35,7 @@ from torch._dynamo.utils import counters
 
 from dspark.config import TargetConfig
 from dspark.data import Sequence
+from dspark.loading import measuring_dtype
 from dspark.target import TargetModel, grouped_mask
 from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students, train_step
 from engine_step import SMOLLM2
@@ -134,7 +135,7 @@ def main():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, config, shapes, steps, warmup = torch.device("cuda"), SMOLLM2, (400, 192), args.steps, 5
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = measuring_dtype(device)
     targets = {cls: cls(config).to(device, dtype).eval().requires_grad_(False) for cls in (TargetModel, MaskedTarget)}
     targets[MaskedTarget].load_state_dict(targets[TargetModel].state_dict())
     rows, runs = [], {}

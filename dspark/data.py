@@ -225,7 +225,7 @@ def read_cache(path: Path, settings: dict) -> list[Sequence]:
         return []
     header = json.loads(lines[0])
     if header != settings:
-        raise ValueError(f"{path} was generated with {header}, not {settings}; use another --out or delete it")
+        raise ValueError(f"{path} was generated with {header}, not {settings}; use another cache path or delete it")
     sequences = []
     for line in lines[1:]:
         try:
@@ -255,7 +255,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
         raise ValueError(f"responses_per_prompt must be >= 1, got {responses_per_prompt}")
     digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
     settings = {"prompts": digest, "num_prompts": len(prompts), "responses_per_prompt": responses_per_prompt,
-                "max_tokens": max_tokens, "seed": seed, "order": "length"}
+                "max_tokens": max_tokens, "seed": seed, "order": "length", "stop_token_ids": list(stop_token_ids),
+                "dtype": str(target.embed_tokens.weight.dtype)}  # bfloat16 answers differ from float32 ones
     prompts = [p for p in prompts for _ in range(responses_per_prompt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # generation order (stable)
     sequences = read_cache(path, settings)

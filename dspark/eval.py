@@ -26,7 +26,7 @@ from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_promp
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.generate import DTYPES
 from dspark.drafter import DSparkDrafter
-from dspark.loading import load_default, load_default_target
+from dspark.loading import load_default, load_default_target, measuring_dtype
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 
@@ -131,23 +131,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, value, least in (("--batch-size", args.batch_size, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--num-prompts", args.num_prompts, 1), ("-k", args.num_speculative_tokens, 0),
+                               ("--seed", args.seed, 0), ("--temperatures", min(args.temperatures), 0)):
+        if value is not None and value < least:
+            p.error(f"{name} must be >= {least}, got {value}")
+    return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = DTYPES[args.dtype] if args.dtype else measuring_dtype(args.device)
     if args.drafter:
+        labels = drafter_labels(args.drafter)  # before the load: a folder given twice fails at once
         target, tokenizer = load_default_target(dtype=dtype, device=args.device)
-        drafters = {label: load_drafter(path, target)
-                    for label, path in zip(drafter_labels(args.drafter), args.drafter)}
+        drafters = {label: load_drafter(path, target) for label, path in zip(labels, args.drafter)}
     else:
         target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
         drafters = {"default": default_drafter}
     if args.prompts == "heldout":
         prompts = heldout_prompts()[:args.num_prompts]
     else:
-        prompts = training_prompts(args.num_prompts or 80)
+        prompts = training_prompts(80 if args.num_prompts is None else args.num_prompts)
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
                     num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
                     batch_size=args.batch_size, seed=args.seed)

@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--drafter", default=None,
                    help="DeepSpec-format drafter folder, or 'none' to decode without speculation "
-                        "(default: the default model's drafter)")
+                        "(default: the default model's drafter; none with --model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--rejection-sample-method", choices=VERIFY_METHODS, default="standard")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -38,13 +38,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat (the system message goes into the chat template)")
+    return args
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options load_models reads (with --drafter): the model, its tokenizer, dtype and device."""
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="an HF folder or its tokenizer.json, with the folder's chat template (default: the model's)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +66,7 @@ def load_models(args):
             target, tokenizer = load_target(args.model, dtype=dtype, device=args.device), \
                 Tokenizer.from_pretrained(args.model)
     if args.tokenizer:
-        tokenizer = Tokenizer.from_file(args.tokenizer)
+        tokenizer = Tokenizer.from_path(args.tokenizer)
     if args.drafter == "none":
         drafter = None
     elif args.drafter is not None:

@@ -36,6 +36,12 @@ def fast_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float32
 
 
+def measuring_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype dspark.train, dspark.eval and the benchmarks run in: bfloat16 on CUDA, float32
+    elsewhere (exact figures on the CPU)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> TargetModel:
     """Loads an HF model folder or a .gguf file (Llama family or Qwen3) into a TargetModel."""

@@ -53,7 +53,7 @@ def build_decoder(args: argparse.Namespace, compile: bool):
     """The decoder the options describe -> (decoder, tokenizer); `compile`: torch.compile its
     step."""
     spec = speculative_config(args.speculative_config)
-    args.drafter = spec.get("model")  # None: the default model's drafter; "none": no speculation
+    args.drafter = spec.get("model")  # None: the default model's drafter (none with --model); "none": none
     target, drafter, tokenizer = load_models(args)
     decoder = SpeculativeDecoder(
         target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),

@@ -167,6 +167,17 @@ class Tokenizer:
             config["chat_template"] = template_path.read_text()
         return cls.from_file(hf_dir / "tokenizer.json", config)
 
+    @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        """An HF folder, or a tokenizer file: a tokenizer.json comes with the special tokens and chat
+        template of its folder (from_pretrained), a file of another name alone (from_file)."""
+        path = Path(path)
+        if path.is_dir():
+            return cls.from_pretrained(path)
+        if path.name == "tokenizer.json":
+            return cls.from_pretrained(path.parent)
+        return cls.from_file(path)
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--drafter", type=Path, default=None,
                         help="a DeepSpec-format drafter folder (default: the shipped drafter)")
     args = parser.parse_args()
+    for name, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("-k", args.k)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
     if args.drafter is None:
         target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
     else:  # the target alone: the shipped drafter is not read only to be replaced

@@ -1,6 +1,7 @@
 """Teacher-forced estimates of drafters on the held-out prompts' greedy and sampled responses.
 
-The training log's held-out estimates, for drafters already trained: each held-out prompt answered
+The training log's held-out estimates, for drafters already trained (anchors drawn per batch, as
+in training: at another --batch-size than the run's, other anchors): each held-out prompt answered
 twice by the target (greedily, and at temperature 1), every drafter's 1 - TV and argmax agreement
 per position on each kind of response, and the AL estimates they give. A drafter can gain on the
 greedy responses (the text a decode at T = 0 walks) and not on the sampled ones (what T = 1 meets).
@@ -28,6 +29,8 @@ def main() -> None:
                    help="where the target's held-out responses are cached")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (memory: logits of all anchors)")
     args = p.parse_args()
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
     sets = heldout_responses(target, tokenizer, args.cache)
     config = TrainConfig(batch_size=args.batch_size)

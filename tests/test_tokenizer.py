@@ -141,6 +141,16 @@ def test_from_pretrained_round_trip(tok, tmp_path):
     assert loaded.apply_chat_template(messages) == tok.apply_chat_template(messages)
 
 
+def test_from_path_takes_a_tokenizer_json_with_its_folders_template(tok, tmp_path):
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 'T' }}"}))
+    for path in (tmp_path, tmp_path / "tokenizer.json"):
+        assert Tokenizer.from_path(path).apply_chat_template([{"role": "user", "content": "Hi"}]) == "T"
+    (tmp_path / "other.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())
+    assert Tokenizer.from_path(tmp_path / "other.json").apply_chat_template(
+        [{"role": "user", "content": "Hi"}]).startswith("<|im_start|>user")  # alone: ChatML
+
+
 def test_from_file_without_config_uses_chatml(tok, tmp_path):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     bare = Tokenizer.from_file(tmp_path / "tokenizer.json")

@@ -4,6 +4,7 @@ The tiny target is random but has structure to learn: its LM head is scaled up s
 distributions are peaked (entropy about 1 nat), and its own responses (self-distillation, as in
 the real recipe) repeat n-grams of its near-deterministic transitions.
 """
+import copy
 import dataclasses
 import json
 
@@ -426,6 +427,12 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     cached = [json.loads(line)["prompt_len"] for line in lines[1:]]
     assert cached == [1, 2, 2, 3, 4, 4]  # generated shortest first
     assert answered == [2, 3, 1]  # two from the cache, then the rest in batches
+    # answers to other stop tokens, or by the target in another dtype, are other data
+    with pytest.raises(ValueError, match="generated with"):
+        self_distill(target, prompts, cut, max_tokens=8, seed=0, stop_token_ids=[5], batch_size=3)
+    with pytest.raises(ValueError, match="generated with"):
+        self_distill(copy.deepcopy(target).double(), prompts, cut, max_tokens=8, seed=0, stop_token_ids=[],
+                     batch_size=3)
     assert cut.read_text() == (tmp_path / "whole.jsonl").read_text()
 
 

@@ -65,7 +65,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.data import Prompt, Sequence, heldout_prompts, render, self_distill, synthetic_prompts, training_prompts
-from dspark.loading import load_default_target
+from dspark.loading import load_default_target, measuring_dtype
 from dspark.target import TargetModel
 from dspark.train.loop import FIT_AFTER_STEPS, train
 from dspark.train.recipe import TrainConfig, default_drafter_config
@@ -155,8 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_training_target(args: argparse.Namespace) -> tuple[TargetModel, object]:
     """The default target (bf16 on CUDA, fp32 on the CPU) and its tokenizer."""
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target, tokenizer = load_default_target(dtype=dtype, device=device)
+    target, tokenizer = load_default_target(dtype=measuring_dtype(device), device=device)
     return target.eval(), tokenizer
 
 
