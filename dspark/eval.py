@@ -7,9 +7,10 @@ K drafts per step and the decoder's counters are summed over the prompts:
 - acceptance at position k = (steps whose draft k was accepted) / steps;
 - AL (acceptance length, the bonus token included) = 1 + accepted drafts / steps = 1 + sum_k acceptance_k;
 - AL per prompt domain (chat, code, math, prose).
-Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead:
-against the held-out table it shows how much a drafter learned its training sequences by heart (at
-T = 0 it meets the very greedy responses it was trained on).
+Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead
+(those of a run with seed 0, as every shipped run; not the prompts the target wrote, nor those over
+the run's --max-prompt-tokens): against the held-out table it shows how much a drafter learned its
+training sequences by heart (at T = 0 it meets the very greedy responses it was trained on).
 """
 from __future__ import annotations
 
