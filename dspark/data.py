@@ -262,6 +262,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
     sequences = read_cache(path, settings)
     if progress is not None:
         progress(len(sequences))
+    if len(sequences) == len(prompts):  # complete: read, not written (its folder may be read-only)
+        return _in_prompt_order(sequences, order), True
     path.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpeculativeDecoder(target, None)
     graphs = decoder.device.type == "cuda"
@@ -281,7 +283,12 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
             cache.flush()
             if progress is not None:
                 progress(len(batch))
-    in_prompt_order = [None] * len(prompts)
-    for i, sequence in zip(order, sequences):
-        in_prompt_order[i] = sequence
-    return in_prompt_order, True
+    return _in_prompt_order(sequences, order), True
+
+
+def _in_prompt_order(sequences: list[Sequence], order: list[int]) -> list[Sequence]:
+    """The sequences generated in `order` (prompt indices), put back in the prompts' order."""
+    ordered = [None] * len(sequences)
+    for i, sequence in zip(order, sequences, strict=True):
+        ordered[i] = sequence
+    return ordered

@@ -427,6 +427,10 @@ def test_self_distill_resumes_from_a_cut_cache(target, tmp_path):
     cached = [json.loads(line)["prompt_len"] for line in lines[1:]]
     assert cached == [1, 2, 2, 3, 4, 4]  # generated shortest first
     assert answered == [2, 3, 1]  # two from the cache, then the rest in batches
+    # a complete cache is read, not written again (it may lie in a read-only folder)
+    before = cut.stat()
+    assert self_distill(target, prompts, cut, max_tokens=8, seed=0, stop_token_ids=[], batch_size=3) == (whole, True)
+    assert (cut.stat().st_ino, cut.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     # answers to other stop tokens, or by the target in another dtype, are other data
     with pytest.raises(ValueError, match="generated with"):
         self_distill(target, prompts, cut, max_tokens=8, seed=0, stop_token_ids=[5], batch_size=3)
