@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
-from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.decoder import VERIFY_METHODS, GenerationResult, SpeculativeDecoder
 from dspark.generate import DTYPES
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default, load_default_target, measuring_dtype
@@ -67,6 +67,11 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[
     results = []
     for begin in range(0, len(prompts), batch_size):
         results += decoder.generate(prompts[begin:begin + batch_size], params[begin:begin + batch_size])
+    return measured(results)
+
+
+def measured(results: list[GenerationResult]) -> list[Acceptance]:
+    """Each decoded request's counters."""
     return [Acceptance(list(r.accepted_per_position), r.num_steps, len(r.tokens)) for r in results]
 
 

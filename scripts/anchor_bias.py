@@ -17,21 +17,18 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoint import load_drafter
 from dspark.data import heldout_prompts, render
 from dspark.decoder import SpeculativeDecoder
-from dspark.loading import load_default, load_default_target
+from dspark.eval import Acceptance, measured
 from dspark.sampling import SamplingParams
-from heldout import draft_logits
+from heldout import draft_logits, load_pair, target_forward
 
 
 @torch.no_grad()
 def accepted_runs(target, drafter, sequence: list[int], prompt_len: int, k: int) -> torch.Tensor:
     """n(p) for every response anchor p of a greedy sequence: [len - 1 - prompt_len] long."""
-    end = len(sequence) - 1  # the last position with a next token
-    tokens = torch.tensor(sequence + [0] * drafter.block_size)[None]  # padding: slots past `end` count as rejected
-    logits, features = target(tokens, torch.arange(tokens.shape[1])[None],
-                              hidden_layer_ids=drafter.config.target_layer_ids)
+    end = len(sequence) - 1  # the last position with a next token; slots past it count as rejected
+    tokens, logits, features = target_forward(target, drafter, sequence)
     anchors = torch.arange(prompt_len, end)
     at = anchors[:, None] + torch.arange(k)  # slot j drafts the token after position at[:, j]
     drafts = draft_logits(drafter, features, tokens, anchors)[:, :k].argmax(-1)
@@ -59,15 +56,11 @@ def main() -> None:
     for name, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens), ("-k", args.k)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
-    if args.drafter is None:
-        target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
-    else:  # the target alone: the shipped drafter is not read only to be replaced
-        target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
-        drafter = load_drafter(args.drafter, target)
+    target, drafter, tokenizer = load_pair(args.drafter)
     prompts = render(tokenizer, heldout_prompts()[:args.num_prompts])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop_token_ids=tokenizer.eos_token_ids)
     results = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.k).generate(prompts, params)
-    decoded = 1 + sum(sum(r.accepted_per_position) for r in results) / sum(r.num_steps for r in results)
+    decoded = sum(measured(results), start=Acceptance([0] * args.k, 0, 0))
     target.drop_caches()
     every, walked = [], []
     for prompt, result in zip(prompts, results):
@@ -78,7 +71,7 @@ def main() -> None:
     print(f"AL over every response anchor (the training log's estimate): {1 + sum(every) / len(every):.3f} "
           f"({len(every)} anchors)")
     print(f"AL over the anchors a decoder visits: {1 + sum(walked) / len(walked):.3f} ({len(walked)} steps)")
-    print(f"AL of the decode itself: {decoded:.3f} ({sum(r.num_steps for r in results)} steps)")
+    print(f"AL of the decode itself: {decoded.acceptance_length:.3f} ({decoded.steps} steps)")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dspark import load_default
-from dspark.checkpoint import load_drafter
-from heldout import draft_logits, heldout_responses
+from heldout import draft_logits, heldout_responses, load_pair, target_forward
 
 TAUS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
 
@@ -30,8 +28,7 @@ def slot_acceptance(target, drafter, tokens: list[int], prompt_len: int, taus) -
     slots have a label [anchors, K]."""
     k = drafter.block_size
     end = len(tokens) - 1  # the last position with a next token
-    ids = torch.tensor(tokens + [0] * k)[None]
-    logits, features = target(ids, torch.arange(ids.shape[1])[None], hidden_layer_ids=drafter.config.target_layer_ids)
+    ids, logits, features = target_forward(target, drafter, tokens)
     accepted, valid = [], []
     for anchors in torch.arange(prompt_len, end).split(32):  # memory: [32, K, V] per tau
         at = anchors[:, None] + torch.arange(k)  # slot j drafts the token after position at[:, j]
@@ -48,9 +45,7 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path("heldout-responses.jsonl"),
                    help="where the target's held-out responses are cached (scripts/heldout_estimates.py's)")
     args = p.parse_args()
-    target, drafter, tokenizer = load_default(dtype=torch.float32, device="cpu")
-    if args.drafter is not None:
-        drafter = load_drafter(args.drafter, target)
+    target, drafter, tokenizer = load_pair(args.drafter)
     sets = heldout_responses(target, tokenizer, args.cache)
     print("| responses | tau | AL estimate | sum min(p, q_tau), positions 1..K |\n|---|---|---|---|")
     for kind, sequences in sets.items():

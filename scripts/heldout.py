@@ -1,15 +1,37 @@
-"""What the analysis scripts share: the held-out prompts' responses, as `python -m dspark.train`
-makes them, and a drafter's teacher-forced logits at every anchor of a sequence."""
+"""What the analysis scripts share: the models (float32, CPU), the held-out prompts' responses, as
+`python -m dspark.train` makes them, the target's forward over a sequence and a drafter's
+teacher-forced logits at every anchor of it."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from dspark.checkpoint import load_drafter
 from dspark.data import Sequence, heldout_prompts
 from dspark.drafter import DSparkDrafter
+from dspark.loading import load_default, load_default_target
 from dspark.target import TargetModel
 from dspark.train import heldout_sequences, parse_args
+
+
+def load_pair(drafter: Path | None) -> tuple[TargetModel, DSparkDrafter, object]:
+    """The default target in float32 on the CPU, the drafter at `drafter` (default: the shipped one;
+    not read only to be replaced) and the tokenizer."""
+    if drafter is None:
+        return load_default(dtype=torch.float32, device="cpu")
+    target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
+    return target, load_drafter(drafter, target), tokenizer
+
+
+def target_forward(target: TargetModel, drafter: DSparkDrafter, tokens: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's plain forward over `tokens` padded with K zeros (so every anchor has K slots;
+    those past the end have no label): ids [1, S + K], logits [1, S + K, V] and the drafter's context
+    features [1, S + K, m * d]."""
+    ids = torch.tensor(tokens + [0] * drafter.block_size)[None]
+    logits, features = target(ids, torch.arange(ids.shape[1])[None], hidden_layer_ids=drafter.config.target_layer_ids)
+    return ids, logits, features
 
 
 def heldout_responses(target: TargetModel, tokenizer, cache: Path) -> dict[str, list[Sequence]]:
