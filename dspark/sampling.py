@@ -14,10 +14,14 @@ import torch
 MAX_SEED = 2**63  # seeds are int64 Philox keys
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+
+
 @dataclass
 class SamplingParams:
-    """What one request asks for. `temperature=0` is greedy; `top_k=0`, `top_p=1` and `min_p=0`
-    switch their filter off; `seed=None` draws a fresh random seed when the request is batched."""
+    """What one request asks for. A temperature below GREEDY_BELOW is greedy (vLLM's rule: dividing
+    by it would overflow float32); `top_k=0`, `top_p=1` and `min_p=0` switch their filter off;
+    `seed=None` draws a fresh random seed when the request is batched."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -33,8 +37,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+            raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED):
@@ -50,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_filters(self) -> bool:
@@ -78,7 +82,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=tensor([p.temperature for p in params], torch.float32),
+            temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),
             top_k=tensor([p.top_k for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
@@ -111,7 +115,7 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     kept = torch.where(keep, probs, 0.0)
     mass_before = kept.cumsum(dim=-1) - kept
     p = top_p.view(B, 1, 1)
-    keep &= (mass_before < p * kept.sum(dim=-1, keepdim=True)) | (p >= 1)
+    keep &= (mass_before < p * kept.sum(dim=-1, keepdim=True)) | (p >= 1) | (rank == 0)  # a tiny p: the top one
 
     removed = torch.empty_like(keep).scatter_(-1, order, ~keep)
     uses_filter = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))

@@ -92,3 +92,11 @@ def test_filters_compile_fullgraph():
             torch.tensor([5, 0, 0]), torch.tensor([1.0, 0.7, 1.0]), torch.tensor([0.1, 0.0, 0.0]))
     compiled = torch.compile(apply_filters, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*args), apply_filters(*args))
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 1e-300 is valid (> 0) but 0 in float32: it once removed every token."""
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0]]])
+    one = torch.ones(1)
+    filtered = apply_filters(logits, one, torch.zeros(1, dtype=torch.long), torch.tensor([1e-300]), torch.zeros(1))
+    assert filtered[0, 0].isfinite().tolist() == [False, True, False, False]

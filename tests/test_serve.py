@@ -18,7 +18,7 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.loading import default_gguf_path
-from dspark.serve.engine import Engine
+from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import speculation
 from dspark.serve.server import Server
 from dspark.serving import speculative_config
@@ -214,10 +214,17 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
+    ({"prompt": "x", "top_k": 2**63}, None),  # once overflowed in the engine thread and stopped it
+    ({"prompt": "x", "stream": True, "stream_options": "yes"}, "stream_options"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": "x\ud800"}, "prompt"),  # a lone surrogate, which no tokenizer encodes
 ])
 def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, param):
     status, answer = call(server, "/v1/completions", body)
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
+    if param is None:  # SamplingParams' own check: the message names the value
+        assert "top_k" in answer["error"]["message"]
+    assert call(server, "/health") == (200, {"status": "ok"})  # the engine serves on
 
 
 @pytest.mark.parametrize("path, body, raw, status, words", [
@@ -239,6 +246,7 @@ def test_the_get_endpoints(server):
     assert call(server, "/version") == (200, {"version": importlib.metadata.version("dspark")})
     status, models = call(server, "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    assert isinstance(models["data"][0]["created"], int)  # typed clients require it
     assert call(server, "/v1/completions")[0] == 405
     call(server, "/v1/completions", {"prompt": "metrics", "max_tokens": 3, "temperature": 0})
     status, text = call(server, "/metrics")
@@ -264,6 +272,29 @@ def test_a_failing_step_fails_every_request_and_stops_the_engine():
     for request in (running, waiting):
         assert isinstance(request.events.queue[-1], RuntimeError)
     assert engine.stopped.is_set() and engine.slots == [None]
+
+
+def test_after_shutdown_nothing_waits_forever():
+    """A request submitted once the engine stops is refused; those in flight or waiting at shutdown
+    receive EngineStopped rather than waiting on events that never come."""
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    waiting = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
+    engine._admit(block=False)
+    engine.shutdown()
+    engine.run()
+    for request in (running, waiting):
+        assert isinstance(request.events.queue[-1], EngineStopped)
+    with pytest.raises(EngineStopped):
+        engine.submit([4], SamplingParams(max_tokens=2))
+
+
+def test_a_temperature_below_1e_5_is_greedy(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 12, "ignore_eos": True}
+    _, greedy = call(server, "/v1/completions", {**body, "temperature": 0})
+    _, tiny = call(server, "/v1/completions", {**body, "temperature": 1e-40})  # once: token 0 repeated
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
 def test_without_speculation_the_response_reports_none():

@@ -61,6 +61,10 @@ class EngineStats:
     time_to_first_token_s: float = 0.0  # sum over requests
 
 
+class EngineStopped(RuntimeError):
+    """The engine has stopped (shut down, or a step failed): it takes no more requests."""
+
+
 class Engine:
     """Runs `decoder` over `max_batch` slots. submit() from any thread; run() in one thread."""
 
@@ -79,11 +83,13 @@ class Engine:
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
         self.stopped = threading.Event()
+        self.lock = threading.Lock()  # submit() queues nothing once `stopped` is set under it
 
     # ------------------------------------------------------------------ any thread
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Queues a request; raises ValueError (naming the value) for one the engine cannot serve."""
+        """Queues a request; raises ValueError (naming the value) for one the engine cannot serve,
+        EngineStopped once the engine has stopped."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         vocab = self.decoder.target.config.vocab_size
@@ -98,7 +104,10 @@ class Engine:
         request = Request(list(prompt), params,
                           result=GenerationResult(accepted_per_position=[0] * self.decoder.k))
         request.stop = self.decoder.stop_condition(params)
-        self.waiting.put(request)
+        with self.lock:
+            if self.stopped.is_set():
+                raise EngineStopped("the engine has stopped")
+            self.waiting.put(request)
         return request
 
     def shutdown(self) -> None:
@@ -109,22 +118,29 @@ class Engine:
 
     @torch.inference_mode()
     def run(self) -> None:
-        """Admits and steps until shutdown(). If a step fails, every request in flight or waiting
-        receives the exception and the engine stops (raising it)."""
-        while not self.stopped.is_set():
-            try:
+        """Admits and steps until shutdown(), then every request in flight or waiting receives
+        EngineStopped. If an admission or a step fails, they receive its exception instead and the
+        engine stops (raising it)."""
+        try:
+            while not self.stopped.is_set():
                 self._admit(block=not any(self.slots))
                 if any(self.slots):
                     self._step()
-            except Exception as error:
-                self.stopped.set()
-                pending = [r for r in self.slots if r is not None]
-                while not self.waiting.empty():
-                    pending.append(self.waiting.get())
-                for request in filter(None, pending):
-                    request.events.put(error)
-                self.slots = [None] * self.max_batch
-                raise
+        except Exception as error:
+            self._fail_pending(error)
+            raise
+        self._fail_pending(EngineStopped("the engine was shut down"))
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Stops taking requests and hands `error` to every request in flight or waiting."""
+        with self.lock:
+            self.stopped.set()
+        pending = [r for r in self.slots if r is not None]
+        while not self.waiting.empty():
+            pending.append(self.waiting.get())
+        for request in filter(None, pending):  # None: shutdown's wake-up
+            request.events.put(error)
+        self.slots = [None] * self.max_batch
 
     def _admit(self, block: bool) -> None:
         """Moves waiting requests into free slots: prefill, first token, then the block's drafts."""
@@ -135,7 +151,9 @@ class Engine:
                 request = self.waiting.get(block=block and not new)
             except queue.Empty:
                 break
-            if request is None:  # shutdown
+            if request is None:  # shutdown: what it took waits again, for run() to fail it
+                for taken in new:
+                    self.waiting.put(taken)
                 return
             new.append(request)
         if not new:

@@ -4,7 +4,7 @@ Requests are validated here; anything malformed or unsupported raises BadRequest
 that names the parameter (the server answers 400), never a silent default. Supported: model,
 prompt (one string or one list of token ids) / messages, max_tokens (chat: also
 max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-n = 1, stream, stream_options.include_usage, user.
+n = 1, stream, stream_options.include_usage, user. A temperature below 1e-5 is greedy (vLLM's rule).
 """
 from __future__ import annotations
 
@@ -58,6 +58,21 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
     for key in ("stream", "ignore_eos"):
         if not isinstance(body.get(key, False), bool):
             raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
+    options = body.get("stream_options")
+    if options is not None and not (body.get("stream") and isinstance(options, dict)
+                                    and set(options) <= {"include_usage"}
+                                    and isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest(f"stream_options must be {{\"include_usage\": true or false}} with stream: true, "
+                         f"got {options!r:.80}", "stream_options")
+
+
+def _encodable(text: str, field: str) -> str:
+    """`text`, if it is valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise BadRequest(f"{field} is not valid Unicode: {error.reason} at {error.start}", field) from error
+    return text
 
 
 def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) -> SamplingParams:
@@ -90,7 +105,7 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_encodable(prompt, "prompt"))
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = prompt
     else:
@@ -111,7 +126,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise BadRequest(f"messages[{index}].content must be a string, got {content!r:.80}", "messages")
-    return message["role"], content
+    return message["role"], _encodable(content, "messages")
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -131,15 +146,16 @@ def check_model(body: dict, served: str) -> None:
 
 
 class TextStream:
-    """The text of a request's tokens as it grows: stop tokens left out, a stop string and what
-    follows it cut, and held back while it could still be the start of a stop string."""
+    """The text of a request's tokens as it grows: stop tokens and special tokens left out (as
+    vLLM's default), a stop string and what follows it cut, and held back while it could still be
+    the start of a stop string."""
 
     def __init__(self, tokenizer, stop: list[str], stop_ids: set[int]):
         self.tokenizer, self.stop, self.stop_ids = tokenizer, stop, stop_ids
         self.sent = 0
 
     def text(self, tokens: list[int]) -> str:
-        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids])
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], skip_special_tokens=True)
         cuts = [text.find(s) for s in self.stop if s in text]
         return text[:min(cuts)] if cuts else text
 
@@ -160,8 +176,8 @@ def usage(prompt_tokens: int, result: GenerationResult) -> dict:
 
 
 def speculation(result: GenerationResult) -> dict | None:
-    """Per-request acceptance, as vLLM reports it under metrics.speculative_decoding (None when the
-    server does not speculate)."""
+    """Per-request acceptance under metrics.speculative_decoding (None when the server does not
+    speculate); mean_acceptance_length counts the bonus token, as vLLM's field of that name."""
     if not result.accepted_per_position:
         return None
     accepted = sum(result.accepted_per_position)

@@ -6,18 +6,19 @@
 Each HTTP request runs in its own thread and waits on its engine request's events; the engine
 runs in one thread of its own. Errors are JSON objects in OpenAI's shape: 400 for a request the
 server cannot serve (the message names the parameter), 404 / 405 for a wrong path or method, 503
-when the engine has stopped.
+when the engine has stopped, 500 for a fault of the server's own (the message says which).
 """
 from __future__ import annotations
 
 import json
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from dspark import __version__
 from dspark.serve import openai
-from dspark.serve.engine import Engine, Request
+from dspark.serve.engine import Engine, EngineStopped, Request
 from dspark.serve.metrics import prometheus_text
 
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
@@ -30,6 +31,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], engine: Engine, tokenizer, model_name: str):
         super().__init__(address, Handler)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.created = int(time.time())  # /v1/models' "created"
         self.engine_thread = threading.Thread(target=engine.run, name="dspark-engine", daemon=True)
 
     def start_engine(self) -> None:
@@ -79,7 +81,7 @@ class Handler(BaseHTTPRequestHandler):
                        {"status": "ok" if alive else "engine stopped"})
         elif path == "/v1/models":
             self._send(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": server.model_name, "object": "model", "owned_by": "dspark",
+                {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "dspark",
                  "max_model_len": server.engine.max_model_len}]})
         elif path == "/metrics":
             self._send(HTTPStatus.OK, prometheus_text(server.engine, server.model_name),
@@ -106,9 +108,6 @@ class Handler(BaseHTTPRequestHandler):
                 prompt, params = openai.parse_completion(body, server.tokenizer)
             openai.check_model(body, server.model_name)
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            if not server.engine_thread.is_alive():
-                self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the engine has stopped", "server_error")
-                return
             request = server.engine.submit(prompt, params)
         except openai.BadRequest as error:
             self.close_connection = True  # the body may be unread (no or too large a length)
@@ -116,6 +115,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         except ValueError as error:  # the engine's checks: lengths, token ids
             self._error(HTTPStatus.BAD_REQUEST, str(error))
+            return
+        except EngineStopped as error:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), "server_error")
+            return
+        except Exception as error:  # noqa: BLE001 - a fault of ours: answered, not a dropped connection
+            self.close_connection = True
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}", "server_error")
             return
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id
         text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids)
