@@ -41,20 +41,27 @@ def speculative_config(text: str | None) -> dict:
     return config
 
 
+DEFAULT_MAX_MODEL_LEN = 2048  # the caches' length: max_batch rows of it are allocated at start
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The options that decide the decoder and its static batch."""
     add_model_source_args(p)
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys (see above)")
     p.add_argument("--max-batch", type=int, default=8, help="batch slots: requests decoded together")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"prompt + completion tokens per request (default: {DEFAULT_MAX_MODEL_LEN}, or the "
+                        "model's maximum if that is smaller)")
 
 
 def build_decoder(args: argparse.Namespace, compile: bool):
     """The decoder the options describe -> (decoder, tokenizer); `compile`: torch.compile its
-    step."""
+    step. Sets args.max_model_len where it was left to the default."""
     spec = speculative_config(args.speculative_config)
     args.drafter = spec.get("model")  # None: the default model's drafter (none with --model); "none": none
     target, drafter, tokenizer = load_models(args)
+    if args.max_model_len is None:
+        args.max_model_len = min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
     decoder = SpeculativeDecoder(
         target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),
         max_draft_len=spec.get("max_draft_len"),

@@ -21,7 +21,8 @@ from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import speculation
 from dspark.serve.server import Server
-from dspark.serving import speculative_config
+from dspark.serve import __main__ as serve_main
+from dspark.serving import build_decoder, speculative_config
 from dspark.tokenizer import Tokenizer
 from test_decoder import target_greedy, tiny_pair
 
@@ -103,8 +104,9 @@ def test_submit_rejects_what_it_cannot_serve():
         engine.submit([1, 64], SamplingParams())
     with pytest.raises(ValueError, match="no tokens"):
         engine.submit([], SamplingParams())
-    with pytest.raises(ValueError, match="max_model_len"):
-        Engine(SpeculativeDecoder(target, drafter), max_model_len=10**9)
+    for bad in (10**9, 0):  # 0 once meant the model's maximum
+        with pytest.raises(ValueError, match="max_model_len"):
+            Engine(SpeculativeDecoder(target, drafter), max_model_len=bad)
 
 
 @torch.inference_mode()
@@ -312,3 +314,15 @@ def test_without_speculation_the_response_reports_none():
 def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     with pytest.raises(SystemExit, match=words):
         speculative_config(text)
+
+
+def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(tmp_path):
+    """--max-model-len's default is 2048 or the model's maximum, if smaller (a 512-token model once
+    failed to start); given, it is kept."""
+    from test_loading import make_model, save_hf
+    save_hf(make_model(max_position_embeddings=512), tmp_path)
+    Tokenizer.from_gguf(default_gguf_path()).backend.save(str(tmp_path / "tokenizer.json"))
+    for given, want in (([], 512), (["--max-model-len", "300"], 300)):
+        args = serve_main.parse_args(["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", *given])
+        build_decoder(args, compile=False)
+        assert args.max_model_len == want

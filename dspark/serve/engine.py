@@ -71,7 +71,7 @@ class Engine:
     def __init__(self, decoder: SpeculativeDecoder, max_batch: int = 8, max_model_len: int | None = None,
                  cuda_graphs: bool | None = None):
         config = decoder.target.config
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         if not 1 <= self.max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [1, {config.max_position_embeddings}], "
                              f"got {self.max_model_len}")

@@ -144,9 +144,12 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as error:  # noqa: BLE001 - the engine failed this request
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
             return
-        self._send(HTTPStatus.OK, openai.completion_response(
-            kind, request_id, self.server.model_name, text.text(request.result.tokens), request.result,
-            prompt_tokens))
+        try:
+            self._send(HTTPStatus.OK, openai.completion_response(
+                kind, request_id, self.server.model_name, text.text(request.result.tokens), request.result,
+                prompt_tokens))
+        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
+            self.close_connection = True
 
     def _stream(self, kind, request_id, request, text, prompt_tokens, include_usage):
         model = self.server.model_name
