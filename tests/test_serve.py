@@ -216,7 +216,7 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
-    ({"prompt": "x", "top_k": 2**63}, None),  # once overflowed in the engine thread and stopped it
+    ({"prompt": "x", "top_k": 2**63}, "top_k"),  # once overflowed in the engine thread and stopped it
     ({"prompt": "x", "stream": True, "stream_options": "yes"}, "stream_options"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": "x\ud800"}, "prompt"),  # a lone surrogate, which no tokenizer encodes
@@ -224,8 +224,6 @@ def test_a_stop_string_ends_the_text_before_it(server):
 def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, param):
     status, answer = call(server, "/v1/completions", body)
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"]
-    if param is None:  # SamplingParams' own check: the message names the value
-        assert "top_k" in answer["error"]["message"]
     assert call(server, "/health") == (200, {"status": "ok"})  # the engine serves on
 
 
