@@ -216,6 +216,8 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the sampled tokens' logprobs
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "top_k": 2**63}, "top_k"),  # once overflowed in the engine thread and stopped it
     ({"prompt": "x", "stream": True, "stream_options": "yes"}, "stream_options"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
@@ -288,6 +290,12 @@ def test_after_shutdown_nothing_waits_forever():
         assert isinstance(request.events.queue[-1], EngineStopped)
     with pytest.raises(EngineStopped):
         engine.submit([4], SamplingParams(max_tokens=2))
+
+
+def test_unsupported_parameters_at_their_off_values_are_accepted(server):
+    body = {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1.0, "best_of": 1, "frequency_penalty": 0,
+            "response_format": {"type": "text"}, "logprobs": None, "echo": False, "logit_bias": {}}
+    assert call(server, "/v1/completions", body)[0] == 200
 
 
 def test_a_temperature_below_1e_5_is_greedy(server):

@@ -16,6 +16,7 @@ from dspark.sampling import SamplingParams
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "functions",
                "response_format", "prompt_logprobs")
+OFF_VALUES = {"repetition_penalty": [1], "best_of": [1], "response_format": [{"type": "text"}]}  # else 0, [], {}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "ignore_eos", "n", "stream", "stream_options", "user", *UNSUPPORTED}
 COMPLETION_KEYS = COMMON | {"prompt"}
@@ -45,13 +46,22 @@ def _number(body: dict, key: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
+def _asks_for_nothing(key: str, value) -> bool:
+    """Whether an unsupported parameter's value is its off value, which clients send by default."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, bool) or key == "logprobs":  # logprobs 0: the sampled tokens' logprobs
+        return False
+    return value in OFF_VALUES.get(key, [0, [], {}])
+
+
 def _check_keys(body: dict, allowed: set[str]) -> None:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for key in body:
         if key not in allowed:
             raise BadRequest(f"unknown parameter {key!r}", key)
-        if key in UNSUPPORTED and body[key] not in (None, False, 0, [], {}):
+        if key in UNSUPPORTED and not _asks_for_nothing(key, body[key]):
             raise BadRequest(f"{key} is not supported by this server", key)
     if _number(body, "n", 1, int, 1) != 1:
         raise BadRequest("n must be 1: one completion per request", "n")
