@@ -38,6 +38,15 @@ def speculative_config(text: str | None) -> dict:
         raise SystemExit(f"--speculative-config: rejection_sample_method must be one of {VERIFY_METHODS}")
     if config.get("draft_sample_method", "probabilistic") not in ("probabilistic", "greedy"):
         raise SystemExit("--speculative-config: draft_sample_method must be 'probabilistic' or 'greedy'")
+    for key in ("num_speculative_tokens", "max_draft_len"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SystemExit(f"--speculative-config: {key} must be an integer >= 1, got {value!r}")
+    if not isinstance(config.get("use_rejection_sampling", True), bool):
+        raise SystemExit("--speculative-config: use_rejection_sampling must be true or false, "
+                         f"got {config['use_rejection_sampling']!r}")
+    if not isinstance(config.get("model", ""), str):
+        raise SystemExit(f"--speculative-config: model must be a folder path or 'none', got {config['model']!r}")
     return config
 
 

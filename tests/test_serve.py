@@ -316,7 +316,10 @@ def test_without_speculation_the_response_reports_none():
 
 
 @pytest.mark.parametrize("text, words", [("{'k': 1}", "is not JSON"), ("[1]", "must be a JSON object"),
-                                         ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must be")])
+                                         ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must be"),
+                                         ('{"num_speculative_tokens": "7"}', "num_speculative_tokens must be"),
+                                         ('{"use_rejection_sampling": "false"}', "true or false"),
+                                         ('{"model": 3}', "model must be")])
 def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     with pytest.raises(SystemExit, match=words):
         speculative_config(text)
