@@ -56,7 +56,7 @@ def test_continuous_batching_greedy_equals_target_greedy_with_admission_mid_flig
     for request, prompt, n in zip(requests, prompts, lengths):
         assert request.result.tokens == target_greedy(target, prompt, n)
         assert request.result.finish_reason == "length" and request.events.queue[-1] is None
-    assert engine.stats.requests_finished == 4 and not any(engine.slots)
+    assert engine.stats.finished == {"length": 4} and not any(engine.slots)
 
 
 @torch.inference_mode()
@@ -120,6 +120,7 @@ def test_a_cancelled_request_leaves_its_slot():
     engine._step()
     assert engine.slots == [None] and request.result.finish_reason == "abort"
     assert request.events.queue[-1] is None
+    assert engine.stats.finished == {"abort": 1}  # /metrics tells it from a success
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -253,8 +254,10 @@ def test_the_get_endpoints(server):
     call(server, "/v1/completions", {"prompt": "metrics", "max_tokens": 3, "temperature": 0})
     status, text = call(server, "/metrics")
     values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
-              if line and not line.startswith("#") and "position" not in line}
-    assert status == 200 and values["dspark:request_success_total"] >= 1
+              if line and not line.startswith("#") and "position" not in line and "finished_reason" not in line}
+    finished = {line.split('finished_reason="')[1].split('"')[0]: float(line.split()[-1])
+                for line in text.splitlines() if line.startswith("dspark:request_success_total{")}
+    assert status == 200 and finished["length"] >= 1
     assert values["dspark:spec_decode_num_draft_tokens_total"] == 4 * values["dspark:spec_decode_num_drafts_total"]
     assert values["dspark:generation_tokens_total"] >= 3
 

@@ -50,7 +50,7 @@ class Request:
 @dataclass
 class EngineStats:
     """Counters since start, read by the metrics endpoint."""
-    requests_finished: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client left)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -225,6 +225,7 @@ class Engine:
         return len(taken)
 
     def _free(self, row: int) -> None:
-        self.slots[row].events.put(None)
-        self.slots[row] = None
-        self.stats.requests_finished += 1
+        request, self.slots[row] = self.slots[row], None
+        request.events.put(None)
+        reason = request.result.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -16,7 +16,10 @@ def prometheus_text(engine: Engine, model: str) -> str:
 
     metric("num_requests_running", "gauge", "Requests in a batch slot.", running)
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.waiting.qsize())
-    metric("request_success_total", "counter", "Finished requests.", stats.requests_finished)
+    lines += ["# HELP dspark:request_success_total Finished requests, by finish reason (abort: the client left).",
+              "# TYPE dspark:request_success_total counter"]
+    lines += [f'dspark:request_success_total{{{label},finished_reason="{reason}"}} {n}'
+              for reason, n in sorted(stats.finished.items())]
     metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
     metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
     metric("num_decode_steps_total", "counter", "Decode steps of the whole batch.", stats.steps)
