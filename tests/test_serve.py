@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from dspark import SamplingParams, SpeculativeDecoder
 from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import speculation
-from dspark.serve.server import Server
+from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, speculative_config
 from dspark.tokenizer import Tokenizer
@@ -293,6 +294,18 @@ def test_after_shutdown_nothing_waits_forever():
         assert isinstance(request.events.queue[-1], EngineStopped)
     with pytest.raises(EngineStopped):
         engine.submit([4], SamplingParams(max_tokens=2))
+
+
+def test_client_gone_tells_a_closed_connection_from_a_quiet_or_talking_one():
+    """What a non-streaming request polls while it waits, to give up its slot once its client left."""
+    ours, theirs = socket.socketpair()
+    assert not client_gone(ours)  # quiet
+    theirs.sendall(b"GET")  # a pipelined request: still there
+    assert not client_gone(ours)
+    theirs.close()
+    ours.recv(3)
+    assert client_gone(ours)
+    ours.close()
 
 
 def test_unsupported_parameters_at_their_off_values_are_accepted(server):

@@ -11,6 +11,9 @@ when the engine has stopped, 500 for a fault of the server's own (the message sa
 from __future__ import annotations
 
 import json
+import queue
+import select
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -23,6 +26,16 @@ from dspark.serve.metrics import prometheus_text
 
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
 MAX_BODY_BYTES = 1 << 22
+CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+def client_gone(connection: socket.socket) -> bool:
+    """Whether the client has closed `connection`: readable, with nothing to read."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and not connection.recv(1, socket.MSG_PEEK)
+    except OSError:  # reset, or closed on this side
+        return True
 
 
 class Server(ThreadingHTTPServer):
@@ -130,16 +143,27 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._complete(kind, request_id, request, text, len(prompt))
 
-    def _events(self, request: Request):
-        """The request's batches of new tokens until it finishes."""
-        while (event := request.events.get()) is not None:
+    def _events(self, request: Request, watch: bool = False):
+        """The request's batches of new tokens until it finishes. `watch`: while none comes, cancel
+        the request once its client has gone (a streaming response finds that out when it writes)."""
+        checked = time.monotonic()
+        while True:
+            if watch and time.monotonic() - checked >= CLIENT_POLL_S:
+                checked = time.monotonic()
+                request.cancelled = request.cancelled or client_gone(self.connection)
+            try:
+                event = request.events.get(timeout=CLIENT_POLL_S if watch else None)
+            except queue.Empty:
+                continue
+            if event is None:
+                return
             if isinstance(event, Exception):
                 raise event
             yield event
 
     def _complete(self, kind, request_id, request, text, prompt_tokens):
         try:
-            for _ in self._events(request):
+            for _ in self._events(request, watch=True):
                 pass
         except Exception as error:  # noqa: BLE001 - the engine failed this request
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
