@@ -122,6 +122,11 @@ def test_a_cancelled_request_leaves_its_slot():
     assert engine.slots == [None] and request.result.finish_reason == "abort"
     assert request.events.queue[-1] is None
     assert engine.stats.finished == {"abort": 1}  # /metrics tells it from a success
+    gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
+    gone.cancelled = True  # its client left while it waited
+    engine._admit(block=False)
+    assert engine.slots == [None] and gone.result.finish_reason == "abort" and gone.result.tokens == []
+    assert engine.stats.finished == {"abort": 2} and engine.stats.prompt_tokens == 2  # not prefilled
 
 
 # ---------------------------------------------------------------------------- HTTP

@@ -155,6 +155,10 @@ class Engine:
                 for taken in new:
                     self.waiting.put(taken)
                 return
+            if request.cancelled:  # its client left while it waited: no prefill for it
+                request.result.finish_reason = "abort"
+                self._finish(request)
+                continue
             new.append(request)
         if not new:
             return
@@ -226,6 +230,10 @@ class Engine:
 
     def _free(self, row: int) -> None:
         request, self.slots[row] = self.slots[row], None
+        self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        """Tells the request's waiter it is done, and counts it by its finish reason."""
         request.events.put(None)
         reason = request.result.finish_reason
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
