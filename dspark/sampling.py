@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import torch
 
 MAX_SEED = 2**63  # seeds are int64 Philox keys
-
-
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
 

@@ -88,8 +88,9 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
                 config: TrainConfig, losses: Callable = slot_losses
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpec's loss for one drafter: CE + TV + confidence BCE (+ the argmax and KL terms, see
-    slot_losses) over the valid slots, position k weighted by exp(-k / decay_gamma). `losses` is slot_losses or a compiled copy of it. A function of
-    tensors without host syncs, so the whole of it compiles too (see COMPILE_MODES).
+    slot_losses) over the valid slots, position k weighted by exp(-k / decay_gamma). `losses` is
+    slot_losses or a compiled copy of it. A function of tensors without host syncs, so the whole of
+    it compiles too (see COMPILE_MODES).
 
     features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];
     target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV and argmax
