@@ -47,7 +47,11 @@ class GenerationResult:
 
 
 class StopCondition:
-    """Decides, one emitted token at a time, whether a request is finished."""
+    """Decides, one emitted token at a time, whether a request is finished: at the first token whose
+    text (the decode of every token so far) holds a stop string. That string must end in the
+    newest token's text, so only the last tokens are decoded: enough of them for the longest stop
+    string's characters before it, at up to 4 bytes each, and 3 more for a character cut at the
+    window's start."""
 
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None):
         self.max_tokens = params.max_tokens
@@ -59,14 +63,16 @@ class StopCondition:
             raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
                              "pass tokenizer= to SpeculativeDecoder")
         self.tokenizer = tokenizer
+        self.window = 4 * (max((len(s) for s in self.stop_strings), default=0) + 3) + 1
 
     def finished(self, tokens: list[int]) -> str | None:
         """`tokens` just grew by one; returns the finish reason or None."""
         if tokens[-1] in self.stop_ids:
             return "stop"
         if self.stop_strings:
-            text = self.tokenizer.decode(tokens)
-            tail = len(self.tokenizer.decode(tokens[:-1]))
+            window = tokens[-self.window:]
+            text = self.tokenizer.decode(window)
+            tail = len(self.tokenizer.decode(window[:-1]))
             if any(s in text[max(0, tail - len(s)):] for s in self.stop_strings):
                 return "stop"
         if len(tokens) >= self.max_tokens:

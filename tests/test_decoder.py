@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark.decoder import GenerationResult, StopCondition
+from dspark.loading import default_gguf_path
 from dspark.sampling import apply_filters
+from dspark.tokenizer import Tokenizer
 from stats import assert_differs, assert_matches
 
 
@@ -207,6 +210,21 @@ def test_stop_tokens_strings_and_max_tokens_end_where_plain_decoding_does():
     text_end = next(i for i in range(1, 21) if stop_text in Digits().decode(plain[:i]))
     assert by_string.tokens == plain[:text_end] and by_string.finish_reason == "stop"
     assert by_length.tokens == plain[:7] and by_length.finish_reason == "length"
+
+
+STOP_TEXT = "naïve café, 日本語 🤗🚀 Привет\n\n  def f(x): return x**2  # e\u0301 done"
+
+
+@pytest.mark.parametrize("stop", [["日本"], ["🚀 "], ["\n\n "], ["x**2", "Прив"], ["x"], ["e\u0301 d"], ["absent"]])
+def test_stop_strings_end_at_the_first_token_whose_full_decode_holds_one(stop):
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    ids = tok.encode(STOP_TEXT)  # byte-level BPE: several characters here span tokens
+    expected = next((i for i in range(1, len(ids) + 1) if any(s in tok.decode(ids[:i]) for s in stop)), None)
+    condition = StopCondition(SamplingParams(max_tokens=len(ids) + 1, stop=stop), eos_ids=[], tokenizer=tok)
+    result = GenerationResult(tokens=[])
+    condition.extend(result, ids)
+    assert len(result.tokens) == (expected or len(ids))
+    assert result.finished == (expected is not None)
 
 
 def test_forced_acceptance_accepts_exactly_n_per_step():
