@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_SEED = 2**63  # seeds are int64 Philox keys
+MAX_SEED = 2**63  # seeds are int64 Philox keys: [-MAX_SEED, MAX_SEED), as vLLM takes them
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
 
@@ -39,8 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -MAX_SEED <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

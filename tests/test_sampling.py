@@ -8,12 +8,16 @@ from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-    ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0), ("seed", -1), ("seed", 2**63),
+    ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0), ("seed", -2**63 - 1), ("seed", 2**63),
     ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-2]),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_seeds_span_int64():
+    assert SamplingParams(seed=-2**63).seed == -2**63 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
 
 
 def test_params_normalise_stops_and_know_their_filters():

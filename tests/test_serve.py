@@ -81,7 +81,7 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method)
     its neighbours. Control: another seed gives other tokens."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=-1234, ignore_eos=True)
     alone = decoder.generate([[3, 1, 4]], params)[0].tokens
     engine = Engine(decoder, max_batch=4, max_model_len=64)
     others = [engine.submit([2, 7, 1, 8], SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True))

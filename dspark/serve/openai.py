@@ -100,7 +100,7 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
                   top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
                   top_k=max(_number(body, "top_k", 0, int, -1, 2**63 - 1), 0),
                   min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
-                  seed=_number(body, "seed", None, int, 0, 2**63 - 1),
+                  seed=_number(body, "seed", None, int, -2**63, 2**63 - 1),
                   max_tokens=_number(body, key, default_max_tokens, int, 1))
     try:
         return SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
