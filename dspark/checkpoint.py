@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     config = {**drafter.config.to_dict(), "use_sliding_window": drafter.config.sliding_window is not None}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
-    save_file(state, str(folder / CHECKPOINT_FILE))
+    tmp = folder / (CHECKPOINT_FILE + ".tmp")  # a reader never meets a half-written file
+    save_file(state, str(tmp))
+    os.replace(tmp, folder / CHECKPOINT_FILE)
 
 
 def _own_state(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:

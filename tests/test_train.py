@@ -160,6 +160,23 @@ def test_resume_may_change_the_step_count_and_the_schedule_follows_it(target, se
     assert student.scheduler.get_last_lr()[0] == pytest.approx(expected)
 
 
+def test_a_run_lost_between_saves_leaves_the_drafter_of_its_last_save(target, sequences, tmp_path):
+    config = training.TrainConfig(steps=6, batch_size=2, num_anchors=8, lr=3e-3)
+    drafter_config = tiny_drafter_config(target)
+
+    def lost_at_step_3(step):
+        if step == 3:
+            raise KeyboardInterrupt("the machine is gone")
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        training.train(target, drafter_config, sequences, tmp_path / "lost", config, stop=lost_at_step_3, save_every=2)
+    training.train(target, drafter_config, sequences, tmp_path / "two", config, stop=lambda step: step == 2)
+    lost, two = (load_drafter(tmp_path / run / "drafter", target).state_dict() for run in ("lost", "two"))
+    assert all(torch.equal(lost[name], two[name]) for name in two)
+    assert not any(path.name.endswith(".tmp") for path in (tmp_path / "lost" / "drafter").iterdir())
+
+
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path, head):
     config = training.TrainConfig(steps=2, batch_size=2, num_anchors=4)
