@@ -20,12 +20,12 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine, EngineStopped
-from dspark.serve.openai import speculation
+from dspark.serve.openai import TextStream, speculation
 from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, speculative_config
 from dspark.tokenizer import Tokenizer
-from test_decoder import target_greedy, tiny_pair
+from test_decoder import STOP_TEXT, target_greedy, tiny_pair
 
 
 def drain(engine: Engine, requests) -> None:
@@ -194,6 +194,27 @@ def test_chat_completion_and_its_stream(server):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert streamed == whole["choices"][0]["message"]["content"]  # the same seed, the same tokens
+
+
+@pytest.mark.parametrize("stop", [[], ["日本"], ["🚀 "], ["x**2", "Прив"], ["e\u0301 d"], ["absent"]])
+def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
+    """What the server streams, delta by delta, joins to the whole output's decode (stop and special
+    tokens left out) cut before its stop string; tokens come in steps of 1 to 4, up to where the
+    engine would stop, with an end-of-turn token in the middle."""
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    end_of_turn = tok.eos_token_id
+    ids = tok.encode(STOP_TEXT)
+    ids = ids[:9] + [end_of_turn] + ids[9:]
+    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in tok.decode(ids[:i]) for s in stop)), len(ids))
+    ids = ids[:stops_at]
+    whole = tok.decode([t for t in ids if t != end_of_turn], skip_special_tokens=True)
+    expected = whole[:min([whole.find(s) for s in stop if s in whole], default=len(whole))]
+    stream, deltas, n = TextStream(tok, stop, {end_of_turn}), [], 0
+    while n < len(ids):
+        n = min(len(ids), n + 1 + n % 4)
+        deltas.append(stream.delta(ids[:n], finished=n == len(ids)))
+    assert "".join(deltas) == expected and "\ufffd" not in "".join(deltas)
+    assert TextStream(tok, stop, {end_of_turn}).text(ids) == expected
 
 
 def test_a_stop_string_ends_the_text_before_it(server):

@@ -12,6 +12,7 @@ import time
 
 from dspark.decoder import GenerationResult
 from dspark.sampling import SamplingParams
+from dspark.tokenizer import IncrementalDecoder
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "functions",
@@ -156,26 +157,41 @@ def check_model(body: dict, served: str) -> None:
 
 
 class TextStream:
-    """The text of a request's tokens as it grows: stop tokens and special tokens left out (as
-    vLLM's default), a stop string and what follows it cut, and held back while it could still be
-    the start of a stop string."""
+    """The text of a request's tokens as it grows, each token decoded once: stop tokens and special
+    tokens left out (as vLLM's default), a stop string and what follows it cut, and held back while
+    it could still be the start of a stop string. The engine ends a request at the first token whose
+    text holds a stop string, so the first one found is where the text ends."""
 
     def __init__(self, tokenizer, stop: list[str], stop_ids: set[int]):
-        self.tokenizer, self.stop, self.stop_ids = tokenizer, stop, stop_ids
+        self.stop, self.stop_ids = stop, stop_ids
+        self.pieces = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        self.keep = max((len(s) for s in stop), default=1) - 1  # characters a stop string may reach back
+        self.decoded, self.seen, self.cut = "", 0, False  # the text so far, of tokens[:seen]
         self.sent = 0
 
-    def text(self, tokens: list[int]) -> str:
-        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[:min(cuts)] if cuts else text
+    def text(self, tokens: list[int], finished: bool = True) -> str:
+        """The text of `tokens`, which extend the last call's; `finished`: no token follows, so an
+        incomplete last character is given as a replacement character."""
+        for token in tokens[self.seen:]:
+            if token not in self.stop_ids:
+                self._add(self.pieces.push(token))
+        self.seen = len(tokens)
+        if finished:
+            self._add(self.pieces.flush())
+        return self.decoded
+
+    def _add(self, piece: str) -> None:
+        if self.cut or not piece:
+            return
+        start = max(0, len(self.decoded) - self.keep)
+        self.decoded += piece
+        cuts = [i for i in (self.decoded.find(s, start) for s in self.stop) if i >= 0]
+        if cuts:
+            self.decoded, self.cut = self.decoded[:min(cuts)], True
 
     def delta(self, tokens: list[int], finished: bool) -> str:
-        text = self.text(tokens)
-        end = len(text)
-        if not finished:
-            end -= max((len(s) - 1 for s in self.stop), default=0)
-            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-                end -= 1
+        text = self.text(tokens, finished)
+        end = len(text) if finished or self.cut else len(text) - self.keep
         delta, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
         return delta
 
