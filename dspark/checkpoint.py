@@ -66,11 +66,12 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = {**drafter.config.to_dict(), "use_sliding_window": drafter.config.sliding_window is not None}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
-    tmp = folder / (CHECKPOINT_FILE + ".tmp")  # a reader never meets a half-written file
-    save_file(state, str(tmp))
-    os.replace(tmp, folder / CHECKPOINT_FILE)
+    for name, write in (("config.json", lambda file: file.write_text(json.dumps(config, indent=2) + "\n")),
+                        (CHECKPOINT_FILE, lambda file: save_file(state, str(file)))):
+        tmp = folder / (name + ".tmp")  # a reader never meets a half-written file
+        write(tmp)
+        os.replace(tmp, folder / name)
 
 
 def _own_state(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.ops.verify import greedy_verify, verify
 from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
 from dspark.target import TargetModel
+from dspark.tokenizer import IncrementalDecoder
 
 VERIFY_METHODS = ("standard", "block")
 RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
@@ -47,11 +48,11 @@ class GenerationResult:
 
 
 class StopCondition:
-    """Decides, one emitted token at a time, whether a request is finished: at the first token whose
-    text (the decode of every token so far) holds a stop string. That string must end in the
-    newest token's text, so only the last tokens are decoded: enough of them for the longest stop
-    string's characters before it, at up to 4 bytes each, and 3 more for a character cut at the
-    window's start."""
+    """Decides, one emitted token at a time, whether a request is finished. Stop strings are looked
+    for in the text a client is sent: special tokens skipped, and a character whose bytes span
+    tokens read once its last byte has come (IncrementalDecoder; vLLM's detokenizer does the same).
+    A stop string found must end in the newest piece of text, so only that piece and the characters
+    before it that the longest stop string could reach back to are searched."""
 
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None):
         self.max_tokens = params.max_tokens
@@ -62,22 +63,25 @@ class StopCondition:
         if self.stop_strings and tokenizer is None:
             raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
                              "pass tokenizer= to SpeculativeDecoder")
-        self.tokenizer = tokenizer
-        self.window = 4 * (max((len(s) for s in self.stop_strings), default=0) + 3) + 1
+        self.text = IncrementalDecoder(tokenizer, skip_special_tokens=True) if self.stop_strings else None
+        self.keep = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.tail = ""  # the text's last `keep` characters
 
     def finished(self, tokens: list[int]) -> str | None:
-        """`tokens` just grew by one; returns the finish reason or None."""
+        """`tokens` just grew by one (each token passes here once, in order); returns the finish
+        reason or None."""
         if tokens[-1] in self.stop_ids:
             return "stop"
-        if self.stop_strings:
-            window = tokens[-self.window:]
-            text = self.tokenizer.decode(window)
-            tail = len(self.tokenizer.decode(window[:-1]))
-            if any(s in text[max(0, tail - len(s)):] for s in self.stop_strings):
-                return "stop"
+        if self.text is not None and self._ends_stop_string(tokens[-1]):
+            return "stop"
         if len(tokens) >= self.max_tokens:
             return "length"
         return None
+
+    def _ends_stop_string(self, token: int) -> bool:
+        text = self.tail + self.text.push(token)
+        self.tail = text[max(0, len(text) - self.keep):]
+        return any(s in text for s in self.stop_strings)
 
     def extend(self, result: GenerationResult, new: list[int]) -> list[int]:
         """Appends `new` to result.tokens one token at a time until the request is finished (then

@@ -197,7 +197,7 @@ def test_stop_tokens_strings_and_max_tokens_end_where_plain_decoding_does():
     class Digits:  # a tokenizer whose text is the ids joined by spaces
         eos_token_ids: list[int] = []
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=False):
             return " ".join(map(str, ids))
 
     stop_text = f"{plain[3]} {plain[4]}"
@@ -212,14 +212,23 @@ def test_stop_tokens_strings_and_max_tokens_end_where_plain_decoding_does():
     assert by_length.tokens == plain[:7] and by_length.finish_reason == "length"
 
 
-STOP_TEXT = "naïve café, 日本語 🤗🚀 Привет\n\n  def f(x): return x**2  # e\u0301 done"
+STOP_TEXT = "The fox, naïve café, 日本語 🤗🚀 Привет\n\n  def f(x): return x**2  # e\u0301 done"
 
 
-@pytest.mark.parametrize("stop", [["日本"], ["🚀 "], ["\n\n "], ["x**2", "Прив"], ["x"], ["e\u0301 d"], ["absent"]])
-def test_stop_strings_end_at_the_first_token_whose_full_decode_holds_one(stop):
+def complete_text(tok: Tokenizer, ids: list[int]) -> str:
+    """What a client has been sent of `ids`: the decode of their longest prefix that does not end
+    in an incomplete character, special tokens skipped."""
+    texts = (tok.decode(ids[:n], skip_special_tokens=True) for n in range(len(ids), -1, -1))
+    return next(text for text in texts if not text.endswith("\ufffd"))
+
+
+@pytest.mark.parametrize("stop", [["日本"], ["🚀 "], ["\n\n "], ["x**2", "Прив"], ["x"], ["e\u0301 d"],
+                                  ["The fox,"], ["absent"]])
+def test_stop_strings_end_at_the_first_token_whose_sent_text_holds_one(stop):
     tok = Tokenizer.from_gguf(default_gguf_path())
     ids = tok.encode(STOP_TEXT)  # byte-level BPE: several characters here span tokens
-    expected = next((i for i in range(1, len(ids) + 1) if any(s in tok.decode(ids[:i]) for s in stop)), None)
+    ids[1:1] = [tok.token_to_id("<|im_start|>")] * 30  # skipped: "The fox," is text a client is sent
+    expected = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)), None)
     condition = StopCondition(SamplingParams(max_tokens=len(ids) + 1, stop=stop), eos_ids=[], tokenizer=tok)
     result = GenerationResult(tokens=[])
     condition.extend(result, ids)

@@ -25,7 +25,7 @@ from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, speculative_config
 from dspark.tokenizer import Tokenizer
-from test_decoder import STOP_TEXT, target_greedy, tiny_pair
+from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
 
 
 def drain(engine: Engine, requests) -> None:
@@ -205,7 +205,7 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
     end_of_turn = tok.eos_token_id
     ids = tok.encode(STOP_TEXT)
     ids = ids[:9] + [end_of_turn] + ids[9:]
-    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in tok.decode(ids[:i]) for s in stop)), len(ids))
+    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)), len(ids))
     ids = ids[:stops_at]
     whole = tok.decode([t for t in ids if t != end_of_turn], skip_special_tokens=True)
     expected = whole[:min([whole.find(s) for s in stop if s in whole], default=len(whole))]
@@ -214,7 +214,24 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
         n = min(len(ids), n + 1 + n % 4)
         deltas.append(stream.delta(ids[:n], finished=n == len(ids)))
     assert "".join(deltas) == expected and "\ufffd" not in "".join(deltas)
-    assert TextStream(tok, stop, {end_of_turn}).text(ids) == expected
+    assert TextStream(tok, stop, {end_of_turn}).text(ids, finished=True) == expected
+
+
+def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads():
+    tok = Tokenizer.from_gguf(default_gguf_path())
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    live = ids[:5]  # the engine's list; it appends ids[5] while the stream decodes
+
+    class EngineMeanwhile:
+        def decode(self, piece, skip_special_tokens=False):
+            if len(live) == 5:
+                live.append(ids[5])
+            return tok.decode(piece, skip_special_tokens=skip_special_tokens)
+
+    stream = TextStream(EngineMeanwhile(), [], set())
+    first = stream.delta(live, finished=False)
+    live.extend(ids[6:])
+    assert first + stream.delta(live, finished=True) == tok.decode(ids)
 
 
 def test_a_stop_string_ends_the_text_before_it(server):

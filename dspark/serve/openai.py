@@ -159,8 +159,9 @@ def check_model(body: dict, served: str) -> None:
 class TextStream:
     """The text of a request's tokens as it grows, each token decoded once: stop tokens and special
     tokens left out (as vLLM's default), a stop string and what follows it cut, and held back while
-    it could still be the start of a stop string. The engine ends a request at the first token whose
-    text holds a stop string, so the first one found is where the text ends."""
+    it could still be the start of a stop string. The engine's StopCondition reads the same text and
+    ends a request at the first token whose text holds a stop string, so the first one found is
+    where the text ends."""
 
     def __init__(self, tokenizer, stop: list[str], stop_ids: set[int]):
         self.stop, self.stop_ids = stop, stop_ids
@@ -169,13 +170,15 @@ class TextStream:
         self.decoded, self.seen, self.cut = "", 0, False  # the text so far, of tokens[:seen]
         self.sent = 0
 
-    def text(self, tokens: list[int], finished: bool = True) -> str:
-        """The text of `tokens`, which extend the last call's; `finished`: no token follows, so an
-        incomplete last character is given as a replacement character."""
-        for token in tokens[self.seen:]:
+    def text(self, tokens: list[int], finished: bool) -> str:
+        """The text of `tokens`, which extend the last call's (the engine's list, which may grow
+        while this reads it); `finished`: no token follows, so an incomplete last character is
+        given as a replacement character."""
+        new = tokens[self.seen:]
+        self.seen += len(new)
+        for token in new:
             if token not in self.stop_ids:
                 self._add(self.pieces.push(token))
-        self.seen = len(tokens)
         if finished:
             self._add(self.pieces.flush())
         return self.decoded

@@ -169,9 +169,9 @@ class Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
             return
         try:
+            text = text.text(request.result.tokens, finished=True)
             self._send(HTTPStatus.OK, openai.completion_response(
-                kind, request_id, self.server.model_name, text.text(request.result.tokens), request.result,
-                prompt_tokens))
+                kind, request_id, self.server.model_name, text, request.result, prompt_tokens))
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
             self.close_connection = True
 
