@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import socket
 import threading
 import urllib.error
@@ -21,6 +22,7 @@ from dspark import SamplingParams, SpeculativeDecoder
 from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import TextStream, speculation
+from dspark.serve import server as server_module
 from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, speculative_config
@@ -349,6 +351,35 @@ def test_client_gone_tells_a_closed_connection_from_a_quiet_or_talking_one():
     ours.recv(3)
     assert client_gone(ours)
     ours.close()
+
+
+def test_client_gone_reads_descriptors_past_1024():
+    """select() refuses a descriptor of 1024 or more; a server with many connections has them."""
+    ours, theirs = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(ours.fileno(), 1500))
+    ours.close()
+    assert not client_gone(high)
+    theirs.close()
+    assert client_gone(high)
+    high.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_closes_its_side_is_gone_and_gets_no_answer(server, monkeypatch, stream):
+    """Its request is aborted (freeing the slot) and nothing is written to it: not a 200 with a
+    finish reason OpenAI does not have."""
+    monkeypatch.setattr(server_module, "CLIENT_POLL_S", 0.01)
+    aborted = server.engine.stats.finished.get("abort", 0)
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "stream": stream}).encode()
+    client = socket.create_connection(("127.0.0.1", server.server_address[1]))
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    client.shutdown(socket.SHUT_WR)
+    answer = b"".join(iter(lambda: client.recv(65536), b""))
+    client.close()
+    assert server.engine.stats.finished.get("abort", 0) == aborted + 1
+    assert b"[DONE]" not in answer and b'"finish_reason": "abort"' not in answer
+    assert answer == b"" or stream  # a stream may have sent its first events before the poll
 
 
 def test_unsupported_parameters_at_their_off_values_are_accepted(server):

@@ -233,7 +233,8 @@ class Engine:
         self._finish(request)
 
     def _finish(self, request: Request) -> None:
-        """Tells the request's waiter it is done, and counts it by its finish reason."""
-        request.events.put(None)
+        """Counts the request by its finish reason, then tells its waiter it is done (so a client
+        that has its answer finds it counted in /metrics)."""
         reason = request.result.finish_reason
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        request.events.put(None)

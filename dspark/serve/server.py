@@ -3,8 +3,9 @@
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
     GET  /v1/models, /health, /metrics (Prometheus text), /version
 
-Each HTTP request runs in its own thread and waits on its engine request's events; the engine
-runs in one thread of its own. Errors are JSON objects in OpenAI's shape: 400 for a request the
+Each HTTP request runs in its own thread and waits on its engine request's events, checking every
+CLIENT_POLL_S that its client is still there (a request whose client left is aborted, its slot
+freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects in OpenAI's shape: 400 for a request the
 server cannot serve (the message names the parameter), 404 / 405 for a wrong path or method, 503
 when the engine has stopped, 500 for a fault of the server's own (the message says which).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import queue
-import select
+import selectors
 import socket
 import threading
 import time
@@ -30,9 +31,12 @@ CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client
 
 
 def client_gone(connection: socket.socket) -> bool:
-    """Whether the client has closed `connection`: readable, with nothing to read."""
+    """Whether the client has closed `connection`: readable, with nothing to read (a selector, not
+    select(), which refuses descriptors from 1024 on)."""
     try:
-        readable, _, _ = select.select([connection], [], [], 0)
+        with selectors.DefaultSelector() as selector:
+            selector.register(connection, selectors.EVENT_READ)
+            readable = selector.select(timeout=0)
         return bool(readable) and not connection.recv(1, socket.MSG_PEEK)
     except OSError:  # reset, or closed on this side
         return True
@@ -143,16 +147,16 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._complete(kind, request_id, request, text, len(prompt))
 
-    def _events(self, request: Request, watch: bool = False):
-        """The request's batches of new tokens until it finishes. `watch`: while none comes, cancel
-        the request once its client has gone (a streaming response finds that out when it writes)."""
+    def _events(self, request: Request):
+        """The request's batches of new tokens until it finishes; while none comes, the request is
+        cancelled once its client has gone (closed its side: as uvicorn, a half-close is a leave)."""
         checked = time.monotonic()
         while True:
-            if watch and time.monotonic() - checked >= CLIENT_POLL_S:
+            if time.monotonic() - checked >= CLIENT_POLL_S:
                 checked = time.monotonic()
                 request.cancelled = request.cancelled or client_gone(self.connection)
             try:
-                event = request.events.get(timeout=CLIENT_POLL_S if watch else None)
+                event = request.events.get(timeout=CLIENT_POLL_S)
             except queue.Empty:
                 continue
             if event is None:
@@ -163,10 +167,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, kind, request_id, request, text, prompt_tokens):
         try:
-            for _ in self._events(request, watch=True):
+            for _ in self._events(request):
                 pass
         except Exception as error:  # noqa: BLE001 - the engine failed this request
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
+            return
+        if request.cancelled:  # its client left: nobody to answer
+            self.close_connection = True
             return
         try:
             text = text.text(request.result.tokens, finished=True)
@@ -177,32 +184,38 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, kind, request_id, request, text, prompt_tokens, include_usage):
         model = self.server.model_name
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
 
         def send(payload) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
 
+        self.close_connection = True
         try:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
             if kind == "chat":
                 send(openai.chunk(kind, request_id, model, None, None, role=True))
             for _ in self._events(request):
                 delta = text.delta(request.result.tokens, request.result.finished)
                 if delta:
                     send(openai.chunk(kind, request_id, model, delta, None))
+            if request.cancelled:  # its client left
+                return
             send(openai.chunk(kind, request_id, model, None, request.result.finish_reason))
             if include_usage:
                 send({**openai.chunk(kind, request_id, model, None, None), "choices": [],
                       "usage": openai.usage(prompt_tokens, request.result),
                       "metrics": {"speculative_decoding": openai.speculation(request.result)}})
             send("[DONE]")
-        except (BrokenPipeError, ConnectionResetError):  # the client went away: free its slot
+        except OSError:  # the client went away: free its slot
             request.cancelled = True
-        except Exception as error:  # noqa: BLE001 - the engine failed this request
-            send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        except Exception as error:  # noqa: BLE001 - the engine failed this request, or the text did
+            request.cancelled = True
+            try:
+                send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+            except OSError:
+                pass
