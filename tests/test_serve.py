@@ -207,7 +207,8 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
     end_of_turn = tok.eos_token_id
     ids = tok.encode(STOP_TEXT)
     ids = ids[:9] + [end_of_turn] + ids[9:]
-    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)), len(ids))
+    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)),
+                    len(ids))
     ids = ids[:stops_at]
     whole = tok.decode([t for t in ids if t != end_of_turn], skip_special_tokens=True)
     expected = whole[:min([whole.find(s) for s in stop if s in whole], default=len(whole))]

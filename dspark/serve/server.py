@@ -5,9 +5,10 @@
 
 Each HTTP request runs in its own thread and waits on its engine request's events, checking every
 CLIENT_POLL_S that its client is still there (a request whose client left is aborted, its slot
-freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects in OpenAI's shape: 400 for a request the
-server cannot serve (the message names the parameter), 404 / 405 for a wrong path or method, 503
-when the engine has stopped, 500 for a fault of the server's own (the message says which).
+freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects
+in OpenAI's shape: 400 for a request the server cannot serve (the message names the parameter),
+404 / 405 for a wrong path or method, 503 when the engine has stopped, 500 for a fault of the
+server's own (the message says which).
 """
 from __future__ import annotations
 

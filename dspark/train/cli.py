@@ -46,8 +46,8 @@ continues exactly as an uninterrupted one.
 Only --steps may change on resume (to fit the schedule to the time left): the cosine decay then
 follows the new total from the current step on.
 At every checkpoint and on every exit the current weights are also written in DeepSpec's format,
-in bfloat16, to OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same batches without a
-Markov head, to measure what the head adds).
+in bfloat16, to OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same
+batches without a Markov head, to measure what the head adds).
 
 Default drafter (37.1 MB in bf16): 3 layers of the target's shapes (d 576, 9 heads, 3 KV heads,
 SwiGLU 1536), block size 7, target layers [1, 8, 14, 20, 27] of 30, Markov rank 64 (2 x 49152 x 64

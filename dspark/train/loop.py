@@ -51,11 +51,12 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
           heldout_every: int = 500, compile: str | None = None, fit_schedule: bool = False) -> list[Student]:
     """Trains the drafter (and its rank-0 twin) on `sequences` up to `config.steps`, or until
     `stop(step)`, asked before each step, says to stop. Checkpoints to out/checkpoint.pt every
-    `save_every` steps and at the end, and exports the drafters to out/<name> then too; logs means over
-    `log_every` steps to out/log.jsonl, and the estimates on each named set of `heldout` sequences
-    every `heldout_every` steps and at the last step; returns the students. `compile`: see student_losses. `fit_schedule`: `stop` is a
-    TimeBudget, and FIT_AFTER_STEPS steps into this call the total becomes the steps that fit in it
-    (fit_schedule_to), so the learning rate's decay ends with the budget."""
+    `save_every` steps and at the end, and exports the drafters to out/<name> then too; logs means
+    over `log_every` steps to out/log.jsonl, and the estimates on each named set of `heldout`
+    sequences every `heldout_every` steps and at the last step; returns the students. `compile`:
+    see student_losses. `fit_schedule`: `stop` is a TimeBudget, and FIT_AFTER_STEPS steps into this
+    call the total becomes the steps that fit in it (fit_schedule_to), so the learning rate's decay
+    ends with the budget."""
     if fit_schedule and not (isinstance(stop, TimeBudget) and stop.deadline is not None):
         raise ValueError("fit_schedule needs a TimeBudget with a deadline as `stop`")
     out.mkdir(parents=True, exist_ok=True)
