@@ -58,3 +58,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """SmolLM2's tokenizer from the default model's GGUF (read once: about 3 s)."""
+    from dspark.loading import default_gguf_path
+    from dspark.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(default_gguf_path())

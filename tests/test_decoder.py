@@ -12,7 +12,6 @@ import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
 from dspark.decoder import GenerationResult, StopCondition
-from dspark.loading import default_gguf_path
 from dspark.sampling import apply_filters
 from dspark.tokenizer import Tokenizer
 from stats import assert_differs, assert_matches
@@ -224,8 +223,8 @@ def complete_text(tok: Tokenizer, ids: list[int]) -> str:
 
 @pytest.mark.parametrize("stop", [["日本"], ["🚀 "], ["\n\n "], ["x**2", "Прив"], ["x"], ["e\u0301 d"],
                                   ["The fox,"], ["absent"]])
-def test_stop_strings_end_at_the_first_token_whose_sent_text_holds_one(stop):
-    tok = Tokenizer.from_gguf(default_gguf_path())
+def test_stop_strings_end_at_the_first_token_whose_sent_text_holds_one(default_tokenizer, stop):
+    tok = default_tokenizer
     ids = tok.encode(STOP_TEXT)  # byte-level BPE: several characters here span tokens
     ids[1:1] = [tok.token_to_id("<|im_start|>")] * 30  # skipped: "The fox," is text a client is sent
     expected = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)), None)

@@ -19,14 +19,12 @@ import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
-from dspark.loading import default_gguf_path
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import TextStream, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, speculative_config
-from dspark.tokenizer import Tokenizer
 from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
 
 
@@ -135,9 +133,9 @@ def test_a_cancelled_request_leaves_its_slot():
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_tokenizer):
     """The server on a random port: a tiny random target with the default model's tokenizer."""
-    tokenizer = Tokenizer.from_gguf(default_gguf_path())
+    tokenizer = default_tokenizer
     target, drafter = tiny_pair(vocab=tokenizer.vocab_size, logit_std=1.0, block_size=4)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, tokenizer=tokenizer)
     server = Server(("127.0.0.1", 0), Engine(decoder, max_batch=4, max_model_len=256), tokenizer, "tiny")
@@ -199,11 +197,11 @@ def test_chat_completion_and_its_stream(server):
 
 
 @pytest.mark.parametrize("stop", [[], ["日本"], ["🚀 "], ["x**2", "Прив"], ["e\u0301 d"], ["absent"]])
-def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
+def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(default_tokenizer, stop):
     """What the server streams, delta by delta, joins to the whole output's decode (stop and special
     tokens left out) cut before its stop string; tokens come in steps of 1 to 4, up to where the
     engine would stop, with an end-of-turn token in the middle."""
-    tok = Tokenizer.from_gguf(default_gguf_path())
+    tok = default_tokenizer
     end_of_turn = tok.eos_token_id
     ids = tok.encode(STOP_TEXT)
     ids = ids[:9] + [end_of_turn] + ids[9:]
@@ -220,8 +218,8 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(stop):
     assert TextStream(tok, stop, {end_of_turn}).text(ids, finished=True) == expected
 
 
-def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads():
-    tok = Tokenizer.from_gguf(default_gguf_path())
+def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads(default_tokenizer):
+    tok = default_tokenizer
     ids = tok.encode("The quick brown fox jumps over the lazy dog.")
     live = ids[:5]  # the engine's list; it appends ids[5] while the stream decodes
 
@@ -416,12 +414,12 @@ def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
         speculative_config(text)
 
 
-def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(tmp_path):
+def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(default_tokenizer, tmp_path):
     """--max-model-len's default is 2048 or the model's maximum, if smaller (a 512-token model once
     failed to start); given, it is kept."""
     from test_loading import make_model, save_hf
     save_hf(make_model(max_position_embeddings=512), tmp_path)
-    Tokenizer.from_gguf(default_gguf_path()).backend.save(str(tmp_path / "tokenizer.json"))
+    default_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
     for given, want in (([], 512), (["--max-model-len", "300"], 300)):
         args = serve_main.parse_args(["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", *given])
         build_decoder(args, compile=False)

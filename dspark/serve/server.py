@@ -177,9 +177,9 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         try:
-            text = text.text(request.result.tokens, finished=True)
+            content = text.text(request.result.tokens, finished=True)
             self._send(HTTPStatus.OK, openai.completion_response(
-                kind, request_id, self.server.model_name, text, request.result, prompt_tokens))
+                kind, request_id, self.server.model_name, content, request.result, prompt_tokens))
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
             self.close_connection = True
 
