@@ -24,7 +24,7 @@ import torch
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.runner import StepRunner
 from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
-from dspark.serving import add_model_args, build_decoder
+from dspark.serving import add_model_args, build_decoder, compiled_step_options
 from timing import emit_table
 
 
@@ -40,7 +40,7 @@ def child(argv: list[str], cache_dir: str) -> str:
 def cached_steps(args: argparse.Namespace) -> None:
     """The child that loads the cache, then steps as the warm-up does (printing as it prints)."""
     decoder, _ = build_decoder(args, compile=True)
-    load_compile_cache(args.load, decoder.device)
+    load_compile_cache(args.load, decoder.device, compiled_step_options(args, decoder))
     for name, batch, seconds in warm_up(StepRunner(decoder, args.max_batch, args.max_model_len)):
         print(timing_line(name, batch, seconds), flush=True)
 

@@ -79,3 +79,13 @@ def build_decoder(args: argparse.Namespace, compile: bool):
         and spec.get("draft_sample_method", "probabilistic") == "probabilistic",
         tokenizer=tokenizer, compile=compile)
     return decoder, tokenizer
+
+
+def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder) -> dict:
+    """What build_decoder's compiled step and its static batch are specialized to, as a compile
+    cache records it (dspark.compile.cache): a warm-up's cache fits only a server with these."""
+    return {"model": args.model or "default", "drafter": args.drafter,
+            "dtype": str(next(decoder.target.parameters()).dtype).removeprefix("torch."),
+            "num_speculative_tokens": decoder.k,
+            "rejection_sample_method": "block" if decoder.block_verify else "standard",
+            "greedy_drafts": decoder.greedy_drafts, "max_batch": args.max_batch, "max_model_len": args.max_model_len}

@@ -119,17 +119,19 @@ def test_the_compile_cache_round_trips_and_names_a_mismatch(tmp_path):
     compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1)
     x = torch.randn(8)
     want = compiled(x)
-    path = tmp_path / "cache.bin"
-    assert save_compile_cache(path, x.device) > 0
+    path, options = tmp_path / "cache.bin", {"max_batch": 8, "model": "default"}
+    assert save_compile_cache(path, x.device, options) > 0
     header, _ = path.read_bytes().split(b"\n", 1)
-    assert json.loads(header) == compiled_for(x.device)
-    load_compile_cache(path, x.device)
+    assert json.loads(header) == compiled_for(x.device, options)
+    load_compile_cache(path, x.device, options)
     assert torch.equal(compiled(x), want)
+    with pytest.raises(ValueError, match=r"other max_batch .*\(8, 16\)"):
+        load_compile_cache(path, x.device, {**options, "max_batch": 16})
     other = tmp_path / "other.bin"
     other.write_bytes(json.dumps({**compiled_for(x.device), "torch": "1.0"}).encode() + b"\n" + b"x")
-    with pytest.raises(ValueError, match="compiled for .*'torch': '1.0'"):
+    with pytest.raises(ValueError, match="other torch .*'torch': \\('1.0', "):
         load_compile_cache(other, x.device)
-    for junk in (b"not a header\n", b"\x80\xff binary\n"):
+    for junk in (b"not a header\n", b"\x80\xff binary\n", b"[1, 2]\n"):
         (tmp_path / "junk.bin").write_bytes(junk)
         with pytest.raises(ValueError, match="not a dspark compile cache"):
             load_compile_cache(tmp_path / "junk.bin", x.device)

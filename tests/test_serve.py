@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
+from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.openai import TextStream, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Server, client_gone
 from dspark.serve import __main__ as serve_main
-from dspark.serving import build_decoder, speculative_config
+from dspark.serving import build_decoder, compiled_step_options, speculative_config
 from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
 
 
@@ -123,7 +124,9 @@ def test_a_cancelled_request_leaves_its_slot():
     assert request.events.queue[-1] is None
     assert engine.stats.finished == {"abort": 1}  # /metrics tells it from a success
     gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
+    assert engine.num_waiting() == 1
     gone.cancelled = True  # its client left while it waited
+    assert engine.num_waiting() == 0  # the gauge of /metrics does not count it
     engine._admit(block=False)
     assert engine.slots == [None] and gone.result.finish_reason == "abort" and gone.result.tokens == []
     assert engine.stats.finished == {"abort": 2} and engine.stats.prompt_tokens == 2  # not prefilled
@@ -424,3 +427,22 @@ def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(default_tok
         args = serve_main.parse_args(["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", *given])
         build_decoder(args, compile=False)
         assert args.max_model_len == want
+
+
+def test_a_compile_cache_for_other_options_stops_the_server_naming_them(default_tokenizer, tmp_path):
+    """A warm-up's cache records the server options its step was compiled for; a server started
+    with others exits naming the option (it used to load the file and compile everything again)."""
+    from test_loading import make_model, save_hf
+    save_hf(make_model(), tmp_path)
+    default_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    given = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--port", "0"]
+    args = serve_main.parse_args([*given, "--max-batch", "4"])
+    decoder, _ = build_decoder(args, compile=False)
+    torch.compile(lambda x: x.cos() + 1)(torch.randn(4))  # something compiled, to save
+    cache = tmp_path / "cache.bin"
+    save_compile_cache(cache, decoder.device, compiled_step_options(args, decoder))
+    with pytest.raises(SystemExit, match=r"other max_batch .*'max_batch': \(4, 8\)"):
+        serve_main.main([*given, "--compile-cache", str(cache)])
+    with pytest.raises(SystemExit, match="--compile-cache: .*No such file"):
+        serve_main.main([*given, "--compile-cache", str(tmp_path / "missing.bin")])
+

@@ -177,6 +177,21 @@ def test_a_run_lost_between_saves_leaves_the_drafter_of_its_last_save(target, se
     assert not any(path.name.endswith(".tmp") for path in (tmp_path / "lost" / "drafter").iterdir())
 
 
+def test_each_step_is_exported_once(target, sequences, tmp_path, monkeypatch):
+    """Saves at steps 2 and 4 of 4 export the drafters twice, not three times (the last step used to
+    be exported again at the end); a resumed run stopped before its first step exports once."""
+    import dspark.train.loop as loop
+    exported = []
+    monkeypatch.setattr(loop, "export", lambda students, out: exported.append(out))
+    config = training.TrainConfig(steps=4, batch_size=2, num_anchors=4)
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, save_every=2)
+    assert len(exported) == 2
+    more = dataclasses.replace(config, steps=6)
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path, more, save_every=2, resume=True,
+                   stop=lambda step: True)
+    assert len(exported) == 3
+
+
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_export_holds_the_trained_weights_in_bf16_and_the_twin_has_no_markov_head(target, sequences, tmp_path, head):
     config = training.TrainConfig(steps=2, batch_size=2, num_anchors=4)

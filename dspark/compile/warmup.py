@@ -25,7 +25,7 @@ import torch
 from dspark.compile.cache import save_compile_cache
 from dspark.compile.runner import StepRunner
 from dspark.sampling import SamplingParams
-from dspark.serving import add_model_args, build_decoder
+from dspark.serving import add_model_args, build_decoder, compiled_step_options
 
 VARIANTS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=1.0),
             "top-p": SamplingParams(temperature=1.0, top_p=0.9)}
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     began = time.perf_counter()
     for name, batch, seconds in warm_up(runner):
         print(timing_line(name, batch, seconds), flush=True)
-    size = save_compile_cache(args.compile_cache, decoder.device)
+    size = save_compile_cache(args.compile_cache, decoder.device, compiled_step_options(args, decoder))
     print(f"compiled in {time.perf_counter() - began:.0f} s; {args.compile_cache}: {size / 1e6:.1f} MB")
 
 

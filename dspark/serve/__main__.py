@@ -21,7 +21,7 @@ from pathlib import Path
 from dspark.compile.cache import load_compile_cache
 from dspark.serve.engine import Engine
 from dspark.serve.server import Server
-from dspark.serving import add_model_args, build_decoder
+from dspark.serving import add_model_args, build_decoder, compiled_step_options
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,7 +46,10 @@ def main(argv=None) -> None:
     compile = args.compile or args.compile_cache is not None
     decoder, tokenizer = build_decoder(args, compile)
     if args.compile_cache is not None:
-        load_compile_cache(args.compile_cache, decoder.device)
+        try:
+            load_compile_cache(args.compile_cache, decoder.device, compiled_step_options(args, decoder))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--compile-cache: {error}") from None
     target = decoder.target
     name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
     cuda_graphs = decoder.device.type == "cuda" and not args.enforce_eager

@@ -110,6 +110,12 @@ class Engine:
             self.waiting.put(request)
         return request
 
+    def num_waiting(self) -> int:
+        """Requests queued for a slot whose client is still there (a cancelled one is dropped at
+        the next admission)."""
+        with self.waiting.mutex:
+            return sum(request is not None and not request.cancelled for request in self.waiting.queue)
+
     def shutdown(self) -> None:
         self.stopped.set()
         self.waiting.put(None)  # wakes run()

@@ -15,7 +15,7 @@ def prometheus_text(engine: Engine, model: str) -> str:
                       f"dspark:{name}{{{labels}}} {value}"])
 
     metric("num_requests_running", "gauge", "Requests in a batch slot.", running)
-    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.waiting.qsize())
+    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())
     lines += ["# HELP dspark:request_success_total Finished requests, by finish reason (abort: the client left).",
               "# TYPE dspark:request_success_total counter"]
     lines += [f'dspark:request_success_total{{{label},finished_reason="{reason}"}} {n}'

@@ -69,6 +69,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
         raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
     step = (load_checkpoint(checkpoint, students, config, drafter_config, followups)
             if resume and checkpoint.exists() else 0)
+    first = step
     fit_at = step + FIT_AFTER_STEPS if fit_schedule else None
 
     device = target.embed_tokens.weight.device
@@ -115,7 +116,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 save_checkpoint(checkpoint, step, students, config, drafter_config, followups)
                 export(students, out)  # a run lost between saves keeps a drafter to evaluate
     bar.close()
-    if step % save_every:  # not saved at this step yet
+    if step % save_every or step == first:  # this step not saved (and exported) by this call yet
         save_checkpoint(checkpoint, step, students, config, drafter_config, followups)
-    export(students, out)
+        export(students, out)
     return students
