@@ -179,8 +179,8 @@ class SpeculativeDecoder:
         k = num_speculative_tokens if num_speculative_tokens is not None else max_draft_len
         if k is None:
             k = drafter.config.block_size if drafter is not None else 0
-        if k < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
         if drafter is None and k > 0:
             raise ValueError(f"num_speculative_tokens={k} needs a drafter (got drafter={drafter!r})")
         if drafter is not None and k > drafter.config.block_size:
@@ -284,7 +284,7 @@ class SpeculativeDecoder:
             raise ValueError("every prompt needs at least one token")
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a CUDA device, the decoder is on {self.device}")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")

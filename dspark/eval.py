@@ -6,6 +6,9 @@ For every drafter, temperature and verification method, the held-out prompts are
 K drafts per step and the decoder's counters are summed over the prompts:
 - acceptance at position k = (steps whose draft k was accepted) / steps;
 - AL (acceptance length, the bonus token included) = 1 + accepted drafts / steps = 1 + sum_k acceptance_k;
+  on a request's last step a stop (EOS, max_tokens) cuts the block, and only the accepted drafts up
+  to the stop count: so AL reads below the verifier's own count (vLLM's metric, which keeps drafts
+  accepted past a stop) and above tokens per step, by at most K and 1 tokens per request;
 - AL per prompt domain (chat, code, math, prose).
 Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead
 (those of a run with seed 0, as every shipped run; not the prompts the target wrote, nor those over
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +144,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name, value, least in (("--batch-size", args.batch_size, 1), ("--max-tokens", args.max_tokens, 1),
                                ("--num-prompts", args.num_prompts, 1), ("-k", args.num_speculative_tokens, 0),
-                               ("--seed", args.seed, 0), ("--temperatures", min(args.temperatures), 0)):
+                               ("--seed", args.seed, 0)):
         if value is not None and value < least:
             p.error(f"{name} must be >= {least}, got {value}")
+    bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]
+    if bad:
+        p.error(f"--temperatures must be finite and >= 0, got {bad}")
     return args
 
 

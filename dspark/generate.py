@@ -34,13 +34,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rejection-sample-method", choices=VERIFY_METHODS, default="standard")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat (the system message goes into the chat template)")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 0:
+        p.error(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
+    try:  # before the model loads: a bad value costs no wait
+        args.params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                     top_k=0 if args.top_k == -1 else args.top_k, min_p=args.min_p,
+                                     seed=args.seed, max_tokens=args.max_tokens)
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
@@ -83,20 +91,21 @@ def main(argv=None) -> None:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     else:
         prompt = tokenizer.encode(args.prompt)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.num_speculative_tokens,
-                                 rejection_sample_method=args.rejection_sample_method, tokenizer=tokenizer)
-    stream = IncrementalDecoder(tokenizer)
+    try:
+        decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.num_speculative_tokens,
+                                     rejection_sample_method=args.rejection_sample_method, tokenizer=tokenizer)
+    except ValueError as error:  # -k against the drafter's block size, or -k without a drafter
+        raise SystemExit(f"python -m dspark.generate: {error}") from None
+    if not prompt:
+        raise SystemExit("python -m dspark.generate: the prompt encodes to no tokens")
+    stream = IncrementalDecoder(tokenizer, skip_special_tokens=True)  # what a server's client is sent
 
     def show(_, tokens):
-        for token in tokens:
-            if token not in tokenizer.eos_token_ids:
-                sys.stdout.write(stream.push(token))
+        sys.stdout.write("".join(stream.push(token) for token in tokens))
         sys.stdout.flush()
 
     began = time.perf_counter()
-    result = decoder.generate([prompt], params, on_tokens=show)[0]
+    result = decoder.generate([prompt], args.params, on_tokens=show)[0]
     seconds = time.perf_counter() - began
     sys.stdout.write(stream.flush() + "\n")
     per_step = (len(result.tokens) - 1) / max(result.num_steps, 1)  # the first token comes from the prefill

@@ -6,6 +6,8 @@ batch pays for no sort over the vocabulary.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -13,6 +15,15 @@ import torch
 
 MAX_SEED = 2**63  # seeds are int64 Philox keys: [-MAX_SEED, MAX_SEED), as vLLM takes them
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+
+
+def _finite(value) -> bool:
+    """A finite real number (not a bool: True is no temperature)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -31,24 +42,26 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**63:
+        if not (_finite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_finite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_integer(self.top_k) and 0 <= self.top_k < 2**63):
             raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -MAX_SEED <= self.seed < MAX_SEED):
+        if not (_finite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not (_integer(self.seed) and -MAX_SEED <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not (_integer(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

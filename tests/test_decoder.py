@@ -276,7 +276,12 @@ def test_bad_arguments_raise():
         SpeculativeDecoder(target, drafter, rejection_sample_method="tree")
     with pytest.raises(ValueError, match="needs a drafter"):
         SpeculativeDecoder(target, None, num_speculative_tokens=3)
+    for k in (2.0, True, -1):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an int"):
+            SpeculativeDecoder(target, drafter, num_speculative_tokens=k)
     decoder = SpeculativeDecoder(target, drafter)
+    with pytest.raises(ValueError, match="0 SamplingParams for 1 prompts"):  # [] once meant the defaults
+        decoder.generate([[1]], [])
     with pytest.raises(ValueError, match="outside"):
         decoder.generate([[1, 99]])
     with pytest.raises(ValueError, match="need a tokenizer"):

@@ -110,7 +110,7 @@ def test_dtype_option_reaches_the_model_loader(monkeypatch):
 
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--batch-size", "-1"], ["--num-prompts", "0"],
                                  ["--num-prompts", "-5"], ["-k", "-1"], ["--max-tokens", "0"],
-                                 ["--temperatures", "0", "-1"], ["--seed", "-1"]])
+                                 ["--temperatures", "0", "-1"], ["--temperatures", "nan"], ["--seed", "-1"]])
 def test_the_command_line_refuses_counts_that_would_mislead(bad, capsys):
     """A batch size below 1 once printed AL 1.000 over no steps; -5 prompts dropped the last five."""
     with pytest.raises(SystemExit):

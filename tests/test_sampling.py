@@ -10,6 +10,9 @@ from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
     ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0), ("seed", -2**63 - 1), ("seed", 2**63),
     ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-2]),
+    # neither infinities, strings nor bools pass for numbers (inf once sampled uniformly)
+    ("temperature", float("inf")), ("temperature", "1"), ("temperature", None), ("top_p", "0.5"),
+    ("top_k", True), ("max_tokens", True), ("seed", True), ("stop_token_ids", [True]), ("ignore_eos", "no"),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -18,6 +21,11 @@ def test_invalid_params_name_the_field(field, value):
 
 def test_seeds_span_int64():
     assert SamplingParams(seed=-2**63).seed == -2**63 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_numpy_numbers_are_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), max_tokens=np.int32(4))
+    assert params.temperature == 0.5 and params.top_k == 3 and params.max_tokens == 4
 
 
 def test_params_normalise_stops_and_know_their_filters():
