@@ -71,10 +71,10 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[
     results = []
     for begin in range(0, len(prompts), batch_size):
         results += decoder.generate(prompts[begin:begin + batch_size], params[begin:begin + batch_size])
-    return measured(results)
+    return acceptances(results)
 
 
-def measured(results: list[GenerationResult]) -> list[Acceptance]:
+def acceptances(results: list[GenerationResult]) -> list[Acceptance]:
     """Each decoded request's counters."""
     return [Acceptance(list(r.accepted_per_position), r.num_steps, len(r.tokens)) for r in results]
 

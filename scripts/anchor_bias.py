@@ -19,7 +19,7 @@ import torch
 
 from dspark.data import heldout_prompts, render
 from dspark.decoder import SpeculativeDecoder
-from dspark.eval import Acceptance, measured
+from dspark.eval import Acceptance, acceptances
 from dspark.sampling import SamplingParams
 from heldout import draft_logits, load_pair, target_forward
 
@@ -60,7 +60,7 @@ def main() -> None:
     prompts = render(tokenizer, heldout_prompts()[:args.num_prompts])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop_token_ids=tokenizer.eos_token_ids)
     results = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.k).generate(prompts, params)
-    decoded = sum(measured(results), start=Acceptance([0] * args.k, 0, 0))
+    decoded = sum(acceptances(results), start=Acceptance([0] * args.k, 0, 0))
     target.drop_caches()
     every, walked = [], []
     for prompt, result in zip(prompts, results):
