@@ -14,10 +14,11 @@ code comes from stdlib modules (`HELDOUT_MODULES`) that the training prompts nev
 Self-distillation: the target answers each training prompt (DeepSpec regenerates responses with the
 target too) `responses_per_prompt` times: once greedily, the other times at temperature 1 with
 their own seeds. Greedy responses are the paths a T=0 evaluation walks; sampled ones cover what T=1
-walks and give more varied prefixes. The loss compares the drafter with the target's full
-distribution at every position anyway, so the sampling temperature only chooses which prefixes are
-trained on. The responses are appended to a
-JSONL cache as they are generated, so an interrupted run continues where it stopped.
+walks and give more varied prefixes. The loss's TV and KL terms compare the drafter with the
+target's full distribution at every position, so for them the sampling temperature chooses only
+which prefixes are trained on; its CE term takes the response's own next token as the label.
+The responses are appended to a JSONL cache as they are generated, so an interrupted run continues
+where it stopped.
 """
 from __future__ import annotations
 

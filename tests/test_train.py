@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dspark import train as training
-from dspark.train import loop, schedule
+from dspark.train import cli, loop, schedule
 from dspark.checkpoint import load_drafter
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import DOMAINS, Sequence, heldout_prompts, response_params, self_distill, training_prompts
@@ -127,6 +127,9 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
     with pytest.raises(ValueError, match="lr"):
         training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, lr=1.0),
                        resume=True)
+    with pytest.raises(ValueError, match="trained on other data"):  # once it went on, on other batches
+        training.train(target, tiny_drafter_config(target), sequences[:-1], tmp_path,
+                       dataclasses.replace(config, steps=3), resume=True)
     # a checkpoint saved before --followup-anchors existed resumes as uniform anchors, and only so
     state = torch.load(tmp_path / training.CHECKPOINT, weights_only=True)
     del state["train_config"]["followup_anchors"], state["followups"]
@@ -180,7 +183,6 @@ def test_a_run_lost_between_saves_leaves_the_drafter_of_its_last_save(target, se
 def test_each_step_is_exported_once(target, sequences, tmp_path, monkeypatch):
     """Saves at steps 2 and 4 of 4 export the drafters twice, not three times (the last step used to
     be exported again at the end); a resumed run stopped before its first step exports once."""
-    import dspark.train.loop as loop
     exported = []
     monkeypatch.setattr(loop, "export", lambda students, out: exported.append(out))
     config = training.TrainConfig(steps=4, batch_size=2, num_anchors=4)
@@ -232,6 +234,29 @@ def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
         with pytest.raises(SystemExit):
             training.parse_args(["--out", "x", *bad])
     assert training.parse_args(["--out", "x", "--stop-at", "30", "--heldout-prompts", "0"]).stop_at == 30
+
+
+@pytest.mark.parametrize("flag, value", [("--grad-clip", "-1"), ("--grad-clip", "0"), ("--decay-gamma", "0"),
+                                         ("--lr", "-1e-3"), ("--warmup", "5"), ("--kl-weight", "-0.1"),
+                                         ("--tv-weight", "nan"), ("--followup-anchors", "2"), ("--time-budget-s", "0"),
+                                         ("--max-prompt-tokens", "0"), ("--synthetic-max-tokens", "0")])
+def test_the_command_line_refuses_a_recipe_that_trains_garbage(flag, value, capsys):
+    """A negative clip norm ascended the gradient, gamma 0 made the loss NaN, warmup 5 kept the
+    rate at a fifth of its peak: each ran without a word, after minutes of generation."""
+    with pytest.raises(SystemExit):
+        training.parse_args(["--out", "x", flag, value])
+    assert flag in capsys.readouterr().err
+
+
+def test_a_budget_spent_in_generation_ends_the_run_there(tmp_path, monkeypatch, capsys):
+    """The generation process says the deadline came first (its exit code), and this process trains
+    nothing and generates nothing more: it once went on generating, with a fresh time budget that
+    let one more batch start after the deadline."""
+    def generate_data(*args):
+        raise AssertionError("the training process generated")
+    monkeypatch.setattr(cli, "generate_data", generate_data)
+    training.main(["--out", str(tmp_path), "--smoke", "--time-budget-s", "0.001"])
+    assert not (tmp_path / training.CHECKPOINT).exists() and not (tmp_path / "drafter").exists()
 
 
 def test_time_budget_stops_before_a_step_that_would_end_late(monkeypatch):

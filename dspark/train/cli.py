@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing
+import sys
 import time
 from pathlib import Path
 
@@ -72,10 +73,10 @@ from dspark.train.recipe import TrainConfig, default_drafter_config
 from dspark.train.schedule import TimeBudget
 from dspark.train.step import COMPILE_MODES, compile_ahead
 
+CUT = 3  # the generation process's exit code when the time budget ended it
 MASK_TOKEN = "<empty_output>"  # a SmolLM2 special token that chat never uses
-POSITIVE_ARGS = ("steps", "batch_size", "num_anchors", "bucket_batches", "save_every", "log_every",
-                 "heldout_every", "num_layers", "block_size", "responses_per_prompt", "max_tokens",
-                 "gen_batch_size")
+POSITIVE_ARGS = ("save_every", "log_every", "heldout_every", "num_layers", "block_size", "responses_per_prompt",
+                 "max_tokens", "max_prompt_tokens", "synthetic_max_tokens", "gen_batch_size")  # TrainConfig's: its own
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,6 +141,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("markov_rank", "num_prompts", "synthetic_prompts", "heldout_prompts"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    try:
+        args.config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    except ValueError as error:  # its field names are the flags'
+        p.error(f"--{str(error).replace('_', '-')}")
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        p.error(f"--time-budget-s must be > 0, got {args.time_budget_s}")
     if args.fit_steps and args.time_budget_s is None:
         p.error("--fit-steps needs --time-budget-s")
     if args.stop_at is not None:
@@ -193,6 +200,12 @@ def generate_data(args: argparse.Namespace, deadline: float | None,
                                         seed=args.seed, batch_size=args.gen_batch_size)
 
 
+def generate_in_child(args: argparse.Namespace, deadline: float | None) -> None:
+    """The generation process: generate_data, exiting with CUT where the deadline came first."""
+    if generate_data(args, deadline) is None:
+        sys.exit(CUT)
+
+
 def heldout_sequences(target: TargetModel, tokenizer, prompts: list[Prompt], path: Path, *, max_prompt_tokens: int,
                       max_tokens: int, seed: int, batch_size: int) -> dict[str, list[Sequence]]:
     """The target's two responses to every held-out prompt of at most `max_prompt_tokens`, generated
@@ -210,10 +223,10 @@ def main(argv=None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
     deadline = None if args.time_budget_s is None else started + args.time_budget_s
-    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    config = args.config
     # The data is generated in a process of its own while this one compiles the training step; a
     # daemon, so that an error here ends it too (its cache resumes from what it wrote).
-    generation = multiprocessing.get_context("spawn").Process(target=generate_data, args=(args, deadline),
+    generation = multiprocessing.get_context("spawn").Process(target=generate_in_child, args=(args, deadline),
                                                               name="self-distill", daemon=True)
     generation.start()
     target, tokenizer = load_training_target(args)
@@ -225,12 +238,13 @@ def main(argv=None) -> None:
     compile_ahead(target, drafter_config, config, args.max_prompt_tokens + args.max_tokens, args.compile)
     print(f"training step compiled at {time.monotonic() - started:.0f} s")
     generation.join()
+    if generation.exitcode == CUT:  # it said so
+        return
     if generation.exitcode != 0:
         raise SystemExit(f"the data generation process failed (exit code {generation.exitcode})")
-    data = generate_data(args, deadline, (target, tokenizer))  # as cached by the generation process
-    if data is None:
-        return
-    sequences, heldout = data
+    # read from the caches the generation process completed: no deadline, which would only cut
+    # what it had time for (a fresh TimeBudget does not know a batch's length)
+    sequences, heldout = generate_data(args, None, (target, tokenizer))
     responses = sum(len(s.tokens) - s.prompt_len for s in sequences)
     print(f"{len(sequences)} sequences, {responses} response tokens, and "
           f"{sum(map(len, heldout.values()))} held-out sequences at {time.monotonic() - started:.0f} s")

@@ -15,7 +15,7 @@ from dspark.target import TargetModel
 from dspark.train.batches import BatchOrder, FollowUps, heldout_batches, make_batch
 from dspark.train.loss import Stats
 from dspark.train.recipe import TrainConfig
-from dspark.train.resume import CHECKPOINT, export, load_checkpoint, save_checkpoint
+from dspark.train.resume import CHECKPOINT, data_signature, export, load_checkpoint, save_checkpoint
 from dspark.train.schedule import TimeBudget, warmup_cosine
 from dspark.train.step import evaluate_students, train_step
 from dspark.train.students import Student, make_students
@@ -67,7 +67,8 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     checkpoint = out / CHECKPOINT
     if checkpoint.exists() and not resume:
         raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
-    step = (load_checkpoint(checkpoint, students, config, drafter_config, followups)
+    data = data_signature(sequences)
+    step = (load_checkpoint(checkpoint, students, config, drafter_config, data, followups)
             if resume and checkpoint.exists() else 0)
     first = step
     fit_at = step + FIT_AFTER_STEPS if fit_schedule else None
@@ -113,10 +114,10 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
                 log.write(json.dumps({"step": step, "heldout": summaries}) + "\n")
                 log.flush()
             if step % save_every == 0:
-                save_checkpoint(checkpoint, step, students, config, drafter_config, followups)
+                save_checkpoint(checkpoint, step, students, config, drafter_config, data, followups)
                 export(students, out)  # a run lost between saves keeps a drafter to evaluate
     bar.close()
     if step % save_every or step == first:  # this step not saved (and exported) by this call yet
-        save_checkpoint(checkpoint, step, students, config, drafter_config, followups)
+        save_checkpoint(checkpoint, step, students, config, drafter_config, data, followups)
         export(students, out)
     return students

@@ -1,5 +1,7 @@
 """DeepSpec's loss for a batch of blocks (dspark_loss: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position
-k weighted by exp(-k / 4)) and the teacher-forced acceptance estimates that come with it (Stats)."""
+k weighted by exp(-k / gamma), gamma 4; DeepSpec's own 0.9 weighs the L1 distance, 2 TV, so its TV
+term weighs twice this one against the CE) and the teacher-forced acceptance estimates that come
+with it (Stats)."""
 from __future__ import annotations
 
 import dataclasses

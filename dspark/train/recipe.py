@@ -1,6 +1,7 @@
 """The training recipe (TrainConfig) and the drafter it trains for a target (default_drafter_config)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dspark.config import DrafterConfig, TargetConfig
@@ -27,8 +28,19 @@ class TrainConfig:
     rank0_twin: bool = True
 
     def __post_init__(self):
-        if not 0.0 <= self.followup_anchors <= 1.0:
-            raise ValueError(f"followup_anchors is a share of the anchors, in [0, 1], got {self.followup_anchors}")
+        for name in ("steps", "batch_size", "bucket_batches", "num_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # a negative clip norm ascends the gradient, a zero one never steps; gamma 0 makes the weights NaN
+        for name in ("lr", "grad_clip", "decay_gamma"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ce_weight", "tv_weight", "confidence_weight", "argmax_weight", "kl_weight"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("warmup", "followup_anchors"):  # shares
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} is a share, in [0, 1], got {getattr(self, name)}")
 
 
 # Five feature layers, not one per drafter layer: for SmolLM2 they decode +0.13 AL at T = 0 over
