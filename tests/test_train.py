@@ -248,6 +248,13 @@ def test_the_command_line_refuses_a_recipe_that_trains_garbage(flag, value, caps
     assert flag in capsys.readouterr().err
 
 
+def test_a_run_folder_with_a_checkpoint_is_refused_before_any_work(tmp_path):
+    (tmp_path / training.CHECKPOINT).write_bytes(b"")
+    with pytest.raises(SystemExit, match="pass --resume"):
+        training.main(["--out", str(tmp_path), "--smoke"])
+    assert not (tmp_path / "synthetic.jsonl").exists()  # no data generated into it
+
+
 def test_a_budget_spent_in_generation_ends_the_run_there(tmp_path, monkeypatch, capsys):
     """The generation process says the deadline came first (its exit code), and this process trains
     nothing and generates nothing more: it once went on generating, with a fresh time budget that
