@@ -40,7 +40,8 @@ generalizes beyond the sequences it has seen, separately on each prompt's greedy
 a decode at T = 0 walks: read its "greedy AL") and on its sampled one (what T = 1 meets: read "AL").
 
 Resumable: `OUT/checkpoint.pt` (every --save-every steps, and when the run ends or stops) holds
-the trainable weights, the optimizer and scheduler states, the step and the follow-ups. The initial
+the trainable weights, the optimizer and scheduler states, the step, the follow-ups and the counts
+of its data (a resume on other data is refused). The initial
 weights, the batch order and the anchors are functions of (seed, step, follow-ups), so a resumed run
 continues exactly as an uninterrupted one.
 Only --steps may change on resume (to fit the schedule to the time left): the cosine decay then
