@@ -45,11 +45,11 @@ class SamplingParams:
         if not (_finite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (_finite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_integer(self.top_k) and 0 <= self.top_k < 2**63):
             raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not (_finite(self.min_p) and 0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (_integer(self.seed) and -MAX_SEED <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
         if not (_integer(self.max_tokens) and self.max_tokens >= 1):
