@@ -49,6 +49,11 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     reference = target.embed_tokens.weight
     dtype = dtype or reference.dtype
     device = torch.device(device) if device is not None else reference.device
+    shares = "embed_tokens.weight" not in tensors or "lm_head.weight" not in tensors
+    if shares and (dtype != reference.dtype or device.type != reference.device.type
+                   or device.index not in (None, reference.device.index)):
+        raise ValueError(f"{folder}: the drafter shares the target's embedding and LM head, {reference.dtype} on "
+                         f"{reference.device}: it cannot load as {dtype} on {device} (load the target so)")
     with torch.device("meta"):  # no random init: every own parameter is replaced below
         drafter = DSparkDrafter(config,
                                 embed_tokens=None if "embed_tokens.weight" in tensors else target.embed_tokens,
@@ -81,19 +86,24 @@ def _own_state(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:
 
 
 def _read_config(config_file: Path) -> DrafterConfig:
-    raw = json.loads(config_file.read_text())
     try:
+        raw = json.loads(config_file.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a config is a JSON object, not {type(raw).__name__}")
         return dataclasses.replace(DrafterConfig.from_dict(raw), sliding_window=_sliding_window(raw))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:  # json's errors are ValueErrors
         raise ValueError(f"{config_file}: {e}") from None
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
     """The window, honouring the switches that HF and DFlash configs keep next to the size: HF's
     `sliding_window` is often set while `use_sliding_window` is false; z-lab's DFlash drafts use
-    dflash_config.{use_swa, swa_window_size}; `layer_types` lists "sliding_attention" layers."""
+    dflash_config.{use_swa, swa_window_size}, which decides where present (the HF keys beside it
+    may be the target's); `layer_types` lists "sliding_attention" layers."""
     d = {**raw, **(raw.get("dflash_config") or {}), **(raw.get("dspark_config") or {})}
-    switches = [bool(d[key]) for key in ("use_sliding_window", "use_swa") if key in d]
+    if "use_swa" in d:  # the draft's own switch: HF's keys beside it may describe the target's layers
+        return (d.get("swa_window_size") or d.get("sliding_window")) if d["use_swa"] else None
+    switches = [bool(d["use_sliding_window"])] if "use_sliding_window" in d else []
     if "layer_types" in d:
         kinds = set(d["layer_types"])
         if len(kinds) > 1:

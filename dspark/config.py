@@ -55,9 +55,17 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        """An HF `config.json`: a key it leaves out takes HF's default, not this class's test default
+        (a missing tie_word_embeddings once tied an untied model's LM head to its embeddings)."""
         d = dict(d)
         if "architecture" not in d:
             d["architecture"] = _architecture_of(d)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
+        d.setdefault("tie_word_embeddings", False)
+        d.setdefault("rms_norm_eps", 1e-6)
+        if "num_attention_heads" in d:
+            d.setdefault("num_key_value_heads", d["num_attention_heads"])
         _flatten_rope_parameters(d)
         return cls(**_known_fields(cls, d))
 
@@ -74,11 +82,17 @@ def _flatten_rope_parameters(d: dict[str, Any]) -> None:
         d["rope_scaling"] = rope
 
 
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+
 def _architecture_of(d: dict[str, Any]) -> str:
     model_type = d.get("model_type")
     if model_type is None:
         archs = d.get("architectures") or []
-        model_type = "qwen3" if any("Qwen3" in a for a in archs) else "llama" if archs else None
+        known = [_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES]
+        if not known:
+            raise ValueError(f"no model_type, and architectures {archs} name none of {sorted(_HF_ARCHITECTURES)}")
+        model_type = known[0]
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unknown model_type {model_type!r}; supported: {ARCHITECTURES}")
     return model_type

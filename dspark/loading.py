@@ -50,7 +50,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
         config, tensors = _read_hf_folder(path)
         source_name = _hf_name
     elif path.is_file() and path.suffix == ".gguf":
-        config, tensors = _read_gguf(path, gguf.GGUFReader(path))
+        config, tensors = _read_gguf(path, _gguf_reader(path))
         source_name = _gguf_name
     else:
         raise FileNotFoundError(f"{path}: no such model folder or .gguf file")
@@ -77,7 +77,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such .gguf file")
-    reader = gguf.GGUFReader(path)
+    reader = _gguf_reader(path)
     config, tensors = _read_gguf(path, reader)
     return _build(config, tensors, _gguf_name, path, dtype, torch.device(device)), Tokenizer.from_gguf(path, reader)
 
@@ -122,7 +122,10 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
         raise ValueError(f"{config_file}: {e}") from None
 
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
     tensors = read_safetensors(folder, files)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports also save the tied copy; like HF, ignore it
@@ -130,6 +133,13 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
 
 
 # ---- GGUF files ----
+
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:  # the gguf package's "GGUF magic invalid" names no file
+        raise ValueError(f"{path}: not a GGUF file ({e})") from None
+
 
 _GGUF_LAYER_MODULES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

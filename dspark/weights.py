@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # A checkpoint's tensors: stored name -> (the file it is in, for messages; function that reads it).
 StoredTensors = dict[str, tuple[str | Path, Callable[[], torch.Tensor]]]
@@ -48,7 +48,10 @@ def read_safetensors(folder: Path, files: list[str] | None = None,
         path = folder / file
         if not path.is_file():
             raise FileNotFoundError(f"{folder}: no {file}")
-        handle = safe_open(path, framework="pt")
+        try:
+            handle = safe_open(path, framework="pt")
+        except SafetensorError as e:
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None
         for source in handle.keys():
             name = source if rename is None else rename(source)
             if name in tensors:

@@ -79,6 +79,21 @@ def test_loads_in_the_asked_dtype_with_float32_rope(tmp_path):
     assert loaded.rotary.inv_freq.dtype == torch.float32 and loaded.rotary.inv_freq.device.type == "cpu"
 
 
+def test_a_drafter_sharing_the_targets_modules_loads_only_in_their_dtype(tmp_path):
+    target = make_target()
+    save_drafter(make_drafter(target), tmp_path)  # shares the target's embedding and LM head
+    with pytest.raises(ValueError, match="shares the target's embedding and LM head, torch.float32"):
+        load_drafter(tmp_path, target, dtype=torch.bfloat16)  # once: a float / bfloat16 matmul error later
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_a_config_that_is_no_json_object_is_named(tmp_path, text):
+    save_drafter(make_drafter(), tmp_path)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="config.json: "):
+        load_drafter(tmp_path, make_target())
+
+
 def write_deepspec_folder(folder, drafter, config_update, renames=None):
     """A checkpoint as another tool writes it: config keys spelled its way, tensors renamed."""
     save_drafter(drafter, folder)
@@ -116,7 +131,9 @@ def test_dflash_format_head_tensors_and_window_switch_load(tmp_path):
                "confidence_head.proj.bias": "confidence_proj.bias"}
     dflash_config = {"block_size": 3, "target_layer_ids": [0, 2], "mask_token_id": 79, "markov_rank": 8,
                      "use_confidence_head": True, "use_swa": True, "swa_window_size": 5}
-    write_deepspec_folder(tmp_path, drafter, {"dflash_config": dflash_config}, renames)
+    # the target's HF keys, copied beside it, once switched the draft's window off
+    write_deepspec_folder(tmp_path, drafter, {"dflash_config": dflash_config, "use_sliding_window": False,
+                                              "layer_types": ["full_attention"] * 2}, renames)
     loaded = load_drafter(tmp_path, target)
     assert loaded.config.sliding_window == 5
     assert_same_outputs(loaded, drafter)

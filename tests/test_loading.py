@@ -92,6 +92,48 @@ def test_hf_llama3_rope_scaling_is_read_from_config(tmp_path):
     torch.testing.assert_close(logits_of(loaded), logits_of(model), atol=0, rtol=0)
 
 
+def test_an_hf_config_without_a_key_takes_hfs_default(tmp_path):
+    """No tie_word_embeddings: HF's default, untied (once tied, dropping the stored LM head); no
+    num_key_value_heads: as many as the attention heads; no rms_norm_eps: 1e-6."""
+    model = make_model(tie_word_embeddings=False, num_key_value_heads=4, rms_norm_eps=1e-6)
+    save_hf(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    for key in ("tie_word_embeddings", "num_key_value_heads", "rms_norm_eps"):
+        del config[key]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    loaded = load_target(tmp_path / "m")
+    assert loaded.config == model.config and loaded.lm_head.weight is not loaded.embed_tokens.weight
+    torch.testing.assert_close(logits_of(loaded), logits_of(model), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change, words", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                                           ({"model_type": None, "architectures": ["GPT2LMHeadModel"]},
+                                            "GPT2LMHeadModel"),
+                                           ({"model_type": None, "architectures": ["Qwen2ForCausalLM"]},
+                                            "Qwen2ForCausalLM")])
+def test_an_hf_config_of_a_model_dspark_does_not_run_is_refused(tmp_path, change, words):
+    save_hf(make_model(), tmp_path / "m")
+    config = {**json.loads((tmp_path / "m" / "config.json").read_text()), **change}
+    (tmp_path / "m" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(ValueError, match=f"config.json: .*{words}"):
+        load_target(tmp_path / "m")
+
+
+@pytest.mark.parametrize("file, text", [("model.safetensors", b"xx"), ("model.safetensors.index.json", b"{}"),
+                                        ("model.safetensors.index.json", b"[not json")])
+def test_a_corrupt_weights_file_is_named(tmp_path, file, text):
+    save_hf(make_model(), tmp_path / "m")
+    (tmp_path / "m" / file).write_bytes(text)
+    with pytest.raises(ValueError, match=f"{file}: not a safetensors"):
+        load_target(tmp_path / "m")
+
+
+def test_a_file_that_is_no_gguf_is_named(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"x" * 32)
+    with pytest.raises(ValueError, match=r"m\.gguf: not a GGUF file"):
+        load_target(tmp_path / "m.gguf")
+
+
 # ---- GGUF files ----
 
 GGUF_NAMES = {  # ours -> llama.cpp's
