@@ -121,12 +121,7 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
 
-    index = folder / "model.safetensors.index.json"
-    try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
-    tensors = read_safetensors(folder, files)
+    tensors = read_safetensors(folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exports also save the tied copy; like HF, ignore it
     return config, tensors

@@ -2,6 +2,7 @@
 loaders: a missing, unexpected or misshapen tensor raises an error naming the file and the tensor."""
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -34,12 +35,20 @@ def read_state(shapes: dict[str, torch.Size], stored: StoredTensors, where: str 
     return state
 
 
-def read_safetensors(folder: Path, files: list[str] | None = None,
-                     rename: Callable[[str], str] | None = None) -> StoredTensors:
-    """The tensors of `files` in `folder` (default: every *.safetensors file there), each under
-    `rename(its stored name)`, read lazily. No file, a listed file that is absent, or a name in two
-    files raises an error naming them."""
-    if files is None:
+INDEX = "model.safetensors.index.json"
+
+
+def read_safetensors(folder: Path, rename: Callable[[str], str] | None = None) -> StoredTensors:
+    """The tensors of the files that `folder`'s INDEX maps to (without one: every *.safetensors
+    file there), each under `rename(its stored name)`, read lazily. No file, a listed file that is
+    absent, a name in two files or an index without a weight map raises an error naming them."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
+    else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")

@@ -94,6 +94,19 @@ def test_a_config_that_is_no_json_object_is_named(tmp_path, text):
         load_drafter(tmp_path, make_target())
 
 
+def test_an_index_names_the_drafters_files(tmp_path):
+    """A stray *.safetensors beside an index is not read (every file in the folder once was, and its
+    tensors clashed with the drafter's)."""
+    target = make_target()
+    drafter = make_drafter(target)
+    save_drafter(drafter, tmp_path)
+    names = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    save_file(names, tmp_path / "old-copy.safetensors")
+    assert_same_outputs(load_drafter(tmp_path, target), drafter)
+
+
 def write_deepspec_folder(folder, drafter, config_update, renames=None):
     """A checkpoint as another tool writes it: config keys spelled its way, tensors renamed."""
     save_drafter(drafter, folder)
