@@ -49,15 +49,13 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
     reference = target.embed_tokens.weight
     dtype = dtype or reference.dtype
     device = torch.device(device) if device is not None else reference.device
-    shares = "embed_tokens.weight" not in tensors or "lm_head.weight" not in tensors
-    if shares and (dtype != reference.dtype or device.type != reference.device.type
+    shared = {name: getattr(target, name) for name in ("embed_tokens", "lm_head") if f"{name}.weight" not in tensors}
+    if shared and (dtype != reference.dtype or device.type != reference.device.type
                    or device.index not in (None, reference.device.index)):
         raise ValueError(f"{folder}: the drafter shares the target's embedding and LM head, {reference.dtype} on "
                          f"{reference.device}: it cannot load as {dtype} on {device} (load the target so)")
     with torch.device("meta"):  # no random init: every own parameter is replaced below
-        drafter = DSparkDrafter(config,
-                                embed_tokens=None if "embed_tokens.weight" in tensors else target.embed_tokens,
-                                lm_head=None if "lm_head.weight" in tensors else target.lm_head)
+        drafter = DSparkDrafter(config, **shared)
     shapes = {name: t.shape for name, t in _own_state(drafter).items()}
     state = read_state(shapes, tensors, folder, dtype, device)
     drafter.load_state_dict(state, strict=False, assign=True)
