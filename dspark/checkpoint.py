@@ -68,13 +68,23 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     not written; loading shares the target's again."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {**drafter.config.to_dict(), "use_sliding_window": drafter.config.sliding_window is not None}
+    config = {**_hf_identity(drafter.config), **drafter.config.to_dict(),
+              "use_sliding_window": drafter.config.sliding_window is not None}
     state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
     for name, write in (("config.json", lambda file: file.write_text(json.dumps(config, indent=2) + "\n")),
                         (CHECKPOINT_FILE, lambda file: save_file(state, str(file)))):
         tmp = folder / (name + ".tmp")  # a reader never meets a half-written file
         write(tmp)
         os.replace(tmp, folder / name)
+
+
+def _hf_identity(config: DrafterConfig) -> dict[str, Any]:
+    """The keys by which HF-style loaders (vLLM's among them) pick a model class: DeepSpec's class
+    name for a Qwen3-style drafter."""
+    identity = {"model_type": config.architecture}
+    if config.architecture == "qwen3":
+        identity["architectures"] = ["Qwen3DSparkModel"]
+    return identity
 
 
 def _own_state(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:

@@ -61,6 +61,12 @@ def test_round_trip_sharing_the_targets_embeddings(tmp_path):
     assert_same_outputs(loaded, drafter)
 
 
+def test_the_config_names_deepspecs_model_class(tmp_path):
+    save_drafter(make_drafter(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+
+
 def test_round_trip_with_own_embeddings(tmp_path):
     target = make_target()
     drafter = make_drafter(markov_head_type="gated")
