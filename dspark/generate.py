@@ -90,7 +90,7 @@ def main(argv=None) -> None:
             [{"role": "user", "content": args.prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     else:
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)  # e.g. Llama 3's BOS
     try:
         decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.num_speculative_tokens,
                                      rejection_sample_method=args.rejection_sample_method, tokenizer=tokenizer)

@@ -21,9 +21,9 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
-from dspark.serve.openai import TextStream, speculation
+from dspark.serve.openai import TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
-from dspark.serve.server import Server, client_gone
+from dspark.serve.server import Handler, Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, compiled_step_options, speculative_config
 from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
@@ -260,10 +260,11 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "x", "model": "gpt-4"}, "model"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream": 1}, "stream"),
+    ({"prompt": "x", "stop_token_ids": 0}, "stop_token_ids"),  # once read as none
     ({"prompt": "x", "colour": "blue"}, "colour"),
     ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the sampled tokens' logprobs
     ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
@@ -286,10 +287,67 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
     ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "role"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "no route"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404, "'gpt-4' is not served here"),
 ])
 def test_other_bad_requests(server, path, body, raw, status, words):
     got, answer = call(server, path, body, raw)
     assert got == status and words in answer["error"]["message"]
+
+
+def test_null_means_the_default(server):
+    body = {"prompt": "x", "max_tokens": 2, "stream": None, "ignore_eos": None, "n": None, "stop": None,
+            "stop_token_ids": None, "temperature": None}
+    assert call(server, "/v1/completions", body)[0] == 200
+    status, text = call(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": None}})
+    assert status == 200 and "usage" not in events(text)[-1]
+
+
+def test_a_string_prompt_gets_the_models_own_special_tokens():
+    class AddsBos:  # as a Llama 3 tokenizer
+        def encode(self, text, add_special_tokens=False):
+            return [0, 7] if add_special_tokens else [7]
+
+    assert parse_completion({"prompt": "hi"}, AddsBos())[0] == [0, 7]
+
+
+def test_chat_text_parts_are_joined_by_newlines_and_developer_is_system(default_tokenizer):
+    tok = default_tokenizer
+    parts = {"messages": [{"role": "developer", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "Line one."},
+                                                       {"type": "text", "text": "Line two."}]}]}
+    expected = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Line one.\nLine two."}],
+                                       add_generation_prompt=True, tokenize=True)
+    assert parse_chat(parts, tok, 256)[0] == expected
+
+
+def test_the_listen_backlog_holds_many_clients_at_once():
+    """64 clients connecting at once all get through while the server is busy (the standard
+    library's backlog of 5 dropped the rest, which waited a second or were reset)."""
+    engine = type("Idle", (), {"run": lambda self: None, "shutdown": lambda self: None})()
+    server = Server(("127.0.0.1", 0), engine, None, "x")  # listening, accepting none
+    clients = []
+    try:
+        for _ in range(64):
+            clients.append(socket.create_connection(server.server_address, timeout=0.5))
+    finally:
+        for client in clients:
+            client.close()
+        server.server_close()
+    assert len(clients) == 64
+
+
+def test_a_stalled_or_idle_client_is_let_go(server, monkeypatch):
+    """A body that stops arriving gets a 408 and the connection closes; so does an idle one (each
+    once held a server thread for ever)."""
+    monkeypatch.setattr(Handler, "timeout", 0.2)
+    stalled = socket.create_connection(server.server_address, timeout=10)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    answer = b"".join(iter(lambda: stalled.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.2 s" in answer
+    idle = socket.create_connection(server.server_address, timeout=10)
+    assert idle.recv(1) == b""  # closed by the server, not the 10 s timeout here
+    stalled.close(), idle.close()
 
 
 def test_the_get_endpoints(server):

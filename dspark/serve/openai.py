@@ -2,9 +2,11 @@
 
 Requests are validated here; anything malformed or unsupported raises BadRequest with a message
 that names the parameter (the server answers 400), never a silent default. Supported: model,
-prompt (one string or one list of token ids) / messages, max_tokens (chat: also
-max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-n = 1, stream, stream_options.include_usage, user. A temperature below 1e-5 is greedy (vLLM's rule).
+prompt (one string or one list of token ids; a string gets the model's own special tokens, e.g.
+Llama 3's BOS) / messages (roles system, developer, user, assistant; text content or text parts,
+joined by newlines), max_tokens (chat: also max_completion_tokens), temperature, top_p, top_k,
+min_p, seed, stop, stop_token_ids, ignore_eos, n = 1, stream, stream_options.include_usage, user.
+A null value means the default. A temperature below 1e-5 is greedy (vLLM's rule).
 """
 from __future__ import annotations
 
@@ -23,17 +25,20 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
+    """A request the server cannot serve: HTTP `status` (400, or 404 for a model not served here)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                          "code": None}}
+                          "code": self.code}}
 
 
 def _number(body: dict, key: str, default, kind=float, low=None, high=None):
@@ -66,13 +71,13 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
             raise BadRequest(f"{key} is not supported by this server", key)
     if _number(body, "n", 1, int, 1) != 1:
         raise BadRequest("n must be 1: one completion per request", "n")
-    for key in ("stream", "ignore_eos"):
-        if not isinstance(body.get(key, False), bool):
+    for key in ("stream", "ignore_eos"):  # null: the default, as in OpenAI's schema
+        if not isinstance(body.get(key, False), (bool, type(None))):
             raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
     options = body.get("stream_options")
     if options is not None and not (body.get("stream") and isinstance(options, dict)
                                     and set(options) <= {"include_usage"}
-                                    and isinstance(options.get("include_usage", False), bool)):
+                                    and isinstance(options.get("include_usage"), (bool, type(None)))):
         raise BadRequest(f"stream_options must be {{\"include_usage\": true or false}} with stream: true, "
                          f"got {options!r:.80}", "stream_options")
 
@@ -93,7 +98,8 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
     if stop is not None and not (isinstance(stop, str) or
                                  (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-    stop_token_ids = body.get("stop_token_ids") or []
+    stop_token_ids = body.get("stop_token_ids")
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
     if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in stop_token_ids)):
         raise BadRequest(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}", "stop_token_ids")
@@ -105,7 +111,7 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
                   max_tokens=_number(body, key, default_max_tokens, int, 1))
     try:
         return SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
-                              ignore_eos=body.get("ignore_eos", False))
+                              ignore_eos=bool(body.get("ignore_eos")))
     except ValueError as error:  # SamplingParams names the value (e.g. top_p = 0)
         raise BadRequest(str(error)) from error
 
@@ -116,7 +122,7 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(_encodable(prompt, "prompt"))
+        ids = tokenizer.encode(_encodable(prompt, "prompt"), add_special_tokens=True)  # e.g. Llama 3's BOS
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = prompt
     else:
@@ -126,18 +132,20 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
 
 
 def _message_text(message, index: int) -> tuple[str, str]:
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES}, got {message!r:.80}",
-                         "messages")
+    role = message.get("role") if isinstance(message, dict) else None
+    role = ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES + tuple(ROLE_ALIASES)}, "
+                         f"got {message!r:.80}", "messages")
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                    for part in content):
             raise BadRequest(f"messages[{index}].content: only text parts are supported", "messages")
-        content = "".join(part["text"] for part in content)
+        content = "\n".join(part["text"] for part in content)  # as vLLM joins them
     if not isinstance(content, str):
         raise BadRequest(f"messages[{index}].content must be a string, got {content!r:.80}", "messages")
-    return message["role"], _encodable(content, "messages")
+    return role, _encodable(content, "messages")
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -153,7 +161,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], Sa
 def check_model(body: dict, served: str) -> None:
     model = body.get("model")
     if model is not None and model != served:
-        raise BadRequest(f"model {model!r} is not served here; this server serves {served!r}", "model")
+        raise BadRequest(f"model {model!r} is not served here; this server serves {served!r}", "model",
+                         status=404, code="model_not_found")  # OpenAI's and vLLM's answer
 
 
 class TextStream:

@@ -7,8 +7,9 @@ Each HTTP request runs in its own thread and waits on its engine request's event
 CLIENT_POLL_S that its client is still there (a request whose client left is aborted, its slot
 freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects
 in OpenAI's shape: 400 for a request the server cannot serve (the message names the parameter),
-404 / 405 for a wrong path or method, 503 when the engine has stopped, 500 for a fault of the
-server's own (the message says which).
+404 for a wrong path or a model not served here, 405 for a wrong method, 408 for a body that does
+not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 503 when the engine has
+stopped, 500 for a fault of the server's own (the message says which).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dspark.serve.metrics import prometheus_text
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
 MAX_BODY_BYTES = 1 << 22
 CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+CLIENT_TIMEOUT_S = 20.0  # how long a connection may sit idle, or take over a request or a write, before it is closed
 
 
 def client_gone(connection: socket.socket) -> bool:
@@ -45,6 +47,7 @@ def client_gone(connection: socket.socket) -> bool:
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 2048  # the listen backlog (the standard library's 5 reset clients at 64 at once)
 
     def __init__(self, address: tuple[str, int], engine: Engine, tokenizer, model_name: str):
         super().__init__(address, Handler)
@@ -63,6 +66,7 @@ class Server(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_TIMEOUT_S  # a stalled or idle client would hold its thread for ever
 
     # ------------------------------------------------------------------ plumbing
 
@@ -129,13 +133,17 @@ class Handler(BaseHTTPRequestHandler):
             request = server.engine.submit(prompt, params)
         except openai.BadRequest as error:
             self.close_connection = True  # the body may be unread (no or too large a length)
-            self._send(HTTPStatus.BAD_REQUEST, error.body())
+            self._send(error.status, error.body())
             return
         except ValueError as error:  # the engine's checks: lengths, token ids
             self._error(HTTPStatus.BAD_REQUEST, str(error))
             return
         except EngineStopped as error:
             self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), "server_error")
+            return
+        except TimeoutError:  # the body did not arrive within the timeout
+            self.close_connection = True
+            self._error(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within {self.timeout} s")
             return
         except Exception as error:  # noqa: BLE001 - a fault of ours: answered, not a dropped connection
             self.close_connection = True
