@@ -265,6 +265,9 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream": 1}, "stream"),
     ({"prompt": "x", "stop_token_ids": 0}, "stop_token_ids"),  # once read as none
+    ({"prompt": "x", "top_p": 0}, "top_p"),  # SamplingParams' checks
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
     ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the sampled tokens' logprobs
     ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),

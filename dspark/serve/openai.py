@@ -112,8 +112,8 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
     try:
         return SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
                               ignore_eos=bool(body.get("ignore_eos")))
-    except ValueError as error:  # SamplingParams names the value (e.g. top_p = 0)
-        raise BadRequest(str(error)) from error
+    except ValueError as error:  # SamplingParams' message starts with the field's name (e.g. "top_p must be ...")
+        raise BadRequest(str(error), str(error).split()[0]) from error
 
 
 def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
