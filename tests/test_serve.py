@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import socket
 import threading
 import urllib.error
@@ -295,6 +296,12 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
 def test_other_bad_requests(server, path, body, raw, status, words):
     got, answer = call(server, path, body, raw)
     assert got == status and words in answer["error"]["message"]
+
+
+def test_response_ids_are_random_not_counted(server):
+    body = {"prompt": "x", "max_tokens": 1}
+    ids = {call(server, "/v1/completions", body)[1]["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)  # once cmpl-0, cmpl-1 ...
 
 
 def test_null_means_the_default(server):

@@ -16,11 +16,11 @@ other requests in the batch.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import queue
 import random
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -29,16 +29,13 @@ from dspark.compile.runner import IDLE, StepRunner
 from dspark.decoder import GenerationResult, SpeculativeDecoder, StopCondition
 from dspark.sampling import MAX_SEED, SamplingParams, SamplingTensors
 
-_ids = itertools.count()
-
-
 @dataclass
 class Request:
     """One generation request and its output so far. `events` receives lists of new tokens as the
     engine accepts them, then None when the request has finished (or an exception if it failed)."""
     prompt: list[int]
     params: SamplingParams
-    id: str = field(default_factory=lambda: f"{next(_ids)}")
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # unique across restarts and replicas, as vLLM's
     result: GenerationResult = field(default_factory=GenerationResult)
     events: queue.Queue = field(default_factory=queue.Queue)
     arrival: float = field(default_factory=time.monotonic)
