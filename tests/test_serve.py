@@ -290,6 +290,7 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p must be in (0, 1]"),
     ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, None, 400, "role"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "no route"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404, "'gpt-4' is not served here"),
 ])

@@ -133,7 +133,7 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
 
 def _message_text(message, index: int) -> tuple[str, str]:
     role = message.get("role") if isinstance(message, dict) else None
-    role = ROLE_ALIASES.get(role, role)
+    role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
     if role not in ROLES:
         raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES + tuple(ROLE_ALIASES)}, "
                          f"got {message!r:.80}", "messages")
