@@ -396,6 +396,26 @@ def test_a_failing_step_fails_every_request_and_stops_the_engine():
     assert engine.stopped.is_set() and engine.slots == [None]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's raise
+def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done(default_tokenizer):
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    engine.decoder.step = broken
+    server = Server(("127.0.0.1", 0), engine, default_tokenizer, "tiny")
+    server.start_engine()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status, text = call(server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 8, "stream": True})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 200 and "device lost" in events(text)[-1]["error"]["message"]
+
+
 def test_after_shutdown_nothing_waits_forever():
     """A request submitted once the engine stops is refused; those in flight or waiting at shutdown
     receive EngineStopped rather than waiting on events that never come."""

@@ -226,5 +226,6 @@ class Handler(BaseHTTPRequestHandler):
             request.cancelled = True
             try:
                 send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+                send("[DONE]")  # the stream still ends as streams do (as vLLM's)
             except OSError:
                 pass
