@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +23,7 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
-from dspark.serve.openai import TextStream, parse_chat, parse_completion, speculation
+from dspark.serve.openai import Reply, TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Handler, Server, client_gone
 from dspark.serve import __main__ as serve_main
@@ -297,6 +298,12 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
 def test_other_bad_requests(server, path, body, raw, status, words):
     got, answer = call(server, path, body, raw)
     assert got == status and words in answer["error"]["message"]
+
+
+def test_every_chunk_of_an_answer_carries_its_created_time(monkeypatch):
+    reply = Reply("chat", "chatcmpl-x", "tiny")
+    monkeypatch.setattr(time, "time", lambda: reply.created + 5.0)  # a stream five seconds long
+    assert {reply.chunk("a", None)["created"], reply.chunk(None, "stop")["created"]} == {reply.created}
 
 
 def test_response_ids_are_random_not_counted(server):

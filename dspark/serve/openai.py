@@ -11,6 +11,7 @@ A null value means the default. A temperature below 1e-5 is greedy (vLLM's rule)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from dspark.decoder import GenerationResult
 from dspark.sampling import SamplingParams
@@ -208,11 +209,6 @@ class TextStream:
         return delta
 
 
-def usage(prompt_tokens: int, result: GenerationResult) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
-            "total_tokens": prompt_tokens + len(result.tokens)}
-
-
 def speculation(result: GenerationResult) -> dict | None:
     """Per-request acceptance under metrics.speculative_decoding (None when the server does not
     speculate); mean_acceptance_length counts the bonus token, as vLLM's field of that name."""
@@ -224,25 +220,43 @@ def speculation(result: GenerationResult) -> dict | None:
             "mean_acceptance_length": round(1 + accepted / result.num_steps, 4) if result.num_steps else None}
 
 
-def completion_response(kind: str, request_id: str, model: str, text: str, result: GenerationResult,
-                        prompt_tokens: int) -> dict:
-    choice = {"index": 0, "finish_reason": result.finish_reason}
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice.update(text=text, logprobs=None)
-    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, result), "metrics": {"speculative_decoding": speculation(result)}}
+def _totals(prompt_tokens: int, result: GenerationResult) -> dict:
+    """A whole answer's usage and its speculation metrics."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
+             "total_tokens": prompt_tokens + len(result.tokens)}
+    return {"usage": usage, "metrics": {"speculative_decoding": speculation(result)}}
 
 
-def chunk(kind: str, request_id: str, model: str, text: str | None, finish_reason: str | None,
-          role: bool = False) -> dict:
-    """One streamed chunk: text (None with role=True for the chat's opening chunk)."""
-    if kind == "chat":
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}
+@dataclass(frozen=True)
+class Reply:
+    """What every object of one request's answer shares: the kind ("text" or "chat"), the id, the
+    model and one `created` time (OpenAI's chunks of a stream all carry the same)."""
+    kind: str
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _object(self, choices: list[dict], suffix: str = "") -> dict:
+        name = "chat.completion" + suffix if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, text: str, result: GenerationResult, prompt_tokens: int) -> dict:
+        choice = {"index": 0, "finish_reason": result.finish_reason}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice.update(text=text, logprobs=None)
+        return {**self._object([choice]), **_totals(prompt_tokens, result)}
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        """One streamed chunk: text (None with role=True for the chat's opening chunk)."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._object([choice], ".chunk")
+
+    def usage_chunk(self, prompt_tokens: int, result: GenerationResult) -> dict:
+        """The stream's last chunk when stream_options.include_usage asks for it: no choices."""
+        return {**self._object([], ".chunk"), **_totals(prompt_tokens, result)}

@@ -149,12 +149,12 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}", "server_error")
             return
-        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id
+        reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id, server.model_name)
         text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids)
         if body.get("stream"):
-            self._stream(kind, request_id, request, text, len(prompt), include_usage)
+            self._stream(reply, request, text, len(prompt), include_usage)
         else:
-            self._complete(kind, request_id, request, text, len(prompt))
+            self._complete(reply, request, text, len(prompt))
 
     def _events(self, request: Request):
         """The request's batches of new tokens until it finishes; while none comes, the request is
@@ -174,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise event
             yield event
 
-    def _complete(self, kind, request_id, request, text, prompt_tokens):
+    def _complete(self, reply, request, text, prompt_tokens):
         try:
             for _ in self._events(request):
                 pass
@@ -186,14 +186,11 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             content = text.text(request.result.tokens, finished=True)
-            self._send(HTTPStatus.OK, openai.completion_response(
-                kind, request_id, self.server.model_name, content, request.result, prompt_tokens))
+            self._send(HTTPStatus.OK, reply.response(content, request.result, prompt_tokens))
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
             self.close_connection = True
 
-    def _stream(self, kind, request_id, request, text, prompt_tokens, include_usage):
-        model = self.server.model_name
-
+    def _stream(self, reply, request, text, prompt_tokens, include_usage):
         def send(payload) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             self.wfile.write(f"data: {data}\n\n".encode())
@@ -206,19 +203,17 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
-            if kind == "chat":
-                send(openai.chunk(kind, request_id, model, None, None, role=True))
+            if reply.kind == "chat":
+                send(reply.chunk(None, None, role=True))
             for _ in self._events(request):
                 delta = text.delta(request.result.tokens, request.result.finished)
                 if delta:
-                    send(openai.chunk(kind, request_id, model, delta, None))
+                    send(reply.chunk(delta, None))
             if request.cancelled:  # its client left
                 return
-            send(openai.chunk(kind, request_id, model, None, request.result.finish_reason))
+            send(reply.chunk(None, request.result.finish_reason))
             if include_usage:
-                send({**openai.chunk(kind, request_id, model, None, None), "choices": [],
-                      "usage": openai.usage(prompt_tokens, request.result),
-                      "metrics": {"speculative_decoding": openai.speculation(request.result)}})
+                send(reply.usage_chunk(prompt_tokens, request.result))
             send("[DONE]")
         except OSError:  # the client went away: free its slot
             request.cancelled = True
