@@ -365,7 +365,8 @@ def test_a_stalled_or_idle_client_is_let_go(server, monkeypatch):
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.2 s" in answer
     idle = socket.create_connection(server.server_address, timeout=10)
     assert idle.recv(1) == b""  # closed by the server, not the 10 s timeout here
-    stalled.close(), idle.close()
+    stalled.close()
+    idle.close()
 
 
 def test_the_get_endpoints(server):
