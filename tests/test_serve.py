@@ -7,6 +7,7 @@ Server: the endpoints' shapes, streaming that reassembles to the non-streamed te
 cut as OpenAI cuts them, and a 400 that names the parameter for every request it cannot serve."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
+from dspark.serve.metrics import prometheus_text
 from dspark.serve.openai import Reply, TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Handler, Server, client_gone
@@ -150,6 +152,19 @@ def server(default_tokenizer):
     yield server
     server.shutdown()
     server.server_close()
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, tokenizer):
+    """A server of its own over `engine`, on a random port."""
+    server = Server(("127.0.0.1", 0), engine, tokenizer, "tiny")
+    server.start_engine()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def call(server, path, body=None, raw: bytes | None = None):
@@ -385,6 +400,7 @@ def test_the_get_endpoints(server):
     assert status == 200 and finished["length"] >= 1
     assert values["dspark:spec_decode_num_draft_tokens_total"] == 4 * values["dspark:spec_decode_num_drafts_total"]
     assert values["dspark:generation_tokens_total"] >= 3
+    assert values["dspark:time_to_first_token_seconds_count"] >= 1
 
 
 def test_a_failing_step_fails_every_request_and_stops_the_engine():
@@ -413,15 +429,42 @@ def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done(defau
         raise RuntimeError("device lost")
 
     engine.decoder.step = broken
-    server = Server(("127.0.0.1", 0), engine, default_tokenizer, "tiny")
-    server.start_engine()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with serving(engine, default_tokenizer) as server:
         status, text = call(server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 8, "stream": True})
-    finally:
-        server.shutdown()
-        server.server_close()
     assert status == 200 and "device lost" in events(text)[-1]["error"]["message"]
+
+
+def test_a_request_waiting_when_the_engine_shuts_down_gets_a_503(default_tokenizer):
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=256)
+    step = engine.decoder.step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    engine.decoder.step = slow
+    answer = []
+    with serving(engine, default_tokenizer) as server:
+        body = {"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True}  # 40+ steps of 20 ms
+        client = threading.Thread(target=lambda: answer.extend(call(server, "/v1/completions", body)))
+        client.start()
+        deadline = time.monotonic() + 60
+        while not any(engine.slots) and time.monotonic() < deadline:  # until it is decoding
+            time.sleep(0.005)
+        engine.shutdown()
+        client.join(60)
+    status, body = answer
+    assert status == 503 and body["error"]["message"] == "the engine was shut down"  # was a 500
+
+
+def test_metrics_escape_the_model_name_and_count_first_tokens():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    text = prometheus_text(engine, 'my "model"\\x\nz')
+    assert all(line.startswith(("# ", "dspark:")) for line in text.splitlines())  # a raw newline split one
+    assert 'model_name="my \\"model\\"\\\\x\\nz"' in text
+    assert 'dspark:time_to_first_token_seconds_count{model_name="my' in text  # a summary: the mean is sum / count
 
 
 def test_after_shutdown_nothing_waits_forever():

@@ -55,7 +55,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    time_to_first_token_s: float = 0.0  # sum over requests
+    time_to_first_token_s: float = 0.0  # sum over the requests that got a first token
+    first_tokens: int = 0  # those requests
 
 
 class EngineStopped(RuntimeError):
@@ -177,6 +178,7 @@ class Engine:
             request.first_token_at = time.monotonic()
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.time_to_first_token_s += request.first_token_at - request.arrival
+            self.stats.first_tokens += 1
             self._emit(row, [token])
         self._set_params()
         if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same

@@ -5,9 +5,14 @@ from __future__ import annotations
 from dspark.serve.engine import Engine
 
 
+def _label_value(text: str) -> str:
+    """A label value as the exposition format escapes it (a raw quote or newline breaks the page)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def prometheus_text(engine: Engine, model: str) -> str:
-    stats, label = engine.stats, f'model_name="{model}"'
-    running = sum(request is not None for request in engine.slots)
+    stats, label = engine.stats, f'model_name="{_label_value(model)}"'
+    running = sum(request is not None and not request.cancelled for request in engine.slots)  # as waiting
     lines = []
 
     def metric(name: str, kind: str, help_text: str, value, labels: str = label) -> None:
@@ -23,8 +28,11 @@ def prometheus_text(engine: Engine, model: str) -> str:
     metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
     metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
     metric("num_decode_steps_total", "counter", "Decode steps of the whole batch.", stats.steps)
-    metric("time_to_first_token_seconds_sum", "counter", "Sum over requests of the time from arrival to the "
-           "first token.", round(stats.time_to_first_token_s, 6))
+    ttft = "time_to_first_token_seconds"
+    lines += [f"# HELP dspark:{ttft} Time from a request's arrival to its first token.",
+              f"# TYPE dspark:{ttft} summary",
+              f"dspark:{ttft}_sum{{{label}}} {round(stats.time_to_first_token_s, 6)}",
+              f"dspark:{ttft}_count{{{label}}} {stats.first_tokens}"]
     metric("spec_decode_num_drafts_total", "counter", "Draft blocks verified.", stats.drafts)
     metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", stats.draft_tokens)
     metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", stats.accepted_tokens)

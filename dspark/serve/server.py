@@ -178,6 +178,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             for _ in self._events(request):
                 pass
+        except EngineStopped as error:  # shut down while this request waited: as for a submit then
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), "server_error")
+            return
         except Exception as error:  # noqa: BLE001 - the engine failed this request
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
             return
