@@ -70,7 +70,7 @@ from dspark.data import Prompt, Sequence, heldout_prompts, render, self_distill,
 from dspark.loading import load_default_target, measuring_dtype
 from dspark.target import TargetModel
 from dspark.train.loop import FIT_AFTER_STEPS, train
-from dspark.train.resume import CHECKPOINT
+from dspark.train.resume import CHECKPOINT, refuse_overwrite
 from dspark.train.recipe import TrainConfig, default_drafter_config
 from dspark.train.schedule import TimeBudget
 from dspark.train.step import COMPILE_MODES, compile_ahead
@@ -224,8 +224,10 @@ def heldout_sequences(target: TargetModel, tokenizer, prompts: list[Prompt], pat
 def main(argv=None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
-    if (args.out / CHECKPOINT).exists() and not args.resume:  # train() checks too, after the data and compilation
-        raise SystemExit(f"{args.out / CHECKPOINT} exists: pass --resume to continue it, or use another --out")
+    try:  # before the data and the compilation (train() checks again)
+        refuse_overwrite(args.out / CHECKPOINT, args.resume)
+    except FileExistsError as error:
+        raise SystemExit(str(error)) from None
     deadline = None if args.time_budget_s is None else started + args.time_budget_s
     config = args.config
     # The data is generated in a process of its own while this one compiles the training step; a

@@ -15,7 +15,8 @@ from dspark.target import TargetModel
 from dspark.train.batches import BatchOrder, FollowUps, heldout_batches, make_batch
 from dspark.train.loss import Stats
 from dspark.train.recipe import TrainConfig
-from dspark.train.resume import CHECKPOINT, data_signature, export, load_checkpoint, save_checkpoint
+from dspark.train.resume import (CHECKPOINT, data_signature, export, load_checkpoint, refuse_overwrite,
+                                 save_checkpoint)
 from dspark.train.schedule import TimeBudget, warmup_cosine
 from dspark.train.step import evaluate_students, train_step
 from dspark.train.students import Student, make_students
@@ -65,8 +66,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
     students = make_students(target, drafter_config, config)
     followups = FollowUps(len(sequences), config.num_anchors) if config.followup_anchors else None
     checkpoint = out / CHECKPOINT
-    if checkpoint.exists() and not resume:
-        raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
+    refuse_overwrite(checkpoint, resume)
     data = data_signature(sequences)
     step = (load_checkpoint(checkpoint, students, config, drafter_config, data, followups)
             if resume and checkpoint.exists() else 0)

@@ -19,6 +19,12 @@ from dspark.train.students import Student
 CHECKPOINT = "checkpoint.pt"
 
 
+def refuse_overwrite(checkpoint: Path, resume: bool) -> None:
+    """FileExistsError if `checkpoint` exists and the run does not resume it."""
+    if checkpoint.exists() and not resume:
+        raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use another --out")
+
+
 def data_signature(sequences: list[Sequence]) -> dict[str, int]:
     """What a checkpoint records of its training data, to be met again on a resume: other generation
     options (prompts, responses, lengths) make other counts."""
