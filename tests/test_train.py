@@ -83,6 +83,9 @@ def test_training_lowers_the_loss_and_raises_the_acceptance_length(target, seque
     trained = [row for row in log if "heldout" not in row]
     first, last = trained[0]["drafter"], trained[-1]["drafter"]
     assert len(trained) == 12
+    rate = training.warmup_cosine(60, config.warmup)  # a line's "lr" is its last step's rate
+    assert [row["lr"] for row in trained] == pytest.approx([1e-2 * rate(row["step"] - 1) for row in trained])
+    assert trained[-1]["lr"] > 0
     assert last["loss"] < 0.7 * first["loss"]
     assert last["al_estimate"] > first["al_estimate"] + 0.5
     assert after > before + 0.5, (before, after)

@@ -87,6 +87,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             indices = order(step)
             batch = make_batch([sequences[i] for i in indices], step, config, drafter_config.block_size,
                                None if followups is None else followups[indices])
+            lr = students[0].optimizer.param_groups[0]["lr"]  # this step's rate; the step moves it on
             stats, agree = train_step(target, students, batch.to(device), config, compile,
                                       keep_agreement=followups is not None)
             window = [w + s for w, s in zip(window, stats)]
@@ -102,7 +103,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             if step % log_every == 0 or step == config.steps:
                 summaries = {s.name: w.summary() for s, w in zip(students, window)}
                 bar.set_postfix_str(progress_line(summaries), refresh=False)
-                log.write(json.dumps({"step": step, "lr": students[0].scheduler.get_last_lr()[0],
+                log.write(json.dumps({"step": step, "lr": lr,
                                       **summaries}) + "\n")
                 log.flush()
                 window = [Stats() for _ in students]
