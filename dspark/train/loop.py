@@ -103,8 +103,7 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
             if step % log_every == 0 or step == config.steps:
                 summaries = {s.name: w.summary() for s, w in zip(students, window)}
                 bar.set_postfix_str(progress_line(summaries), refresh=False)
-                log.write(json.dumps({"step": step, "lr": lr,
-                                      **summaries}) + "\n")
+                log.write(json.dumps({"step": step, "lr": lr, **summaries}) + "\n")
                 log.flush()
                 window = [Stats() for _ in students]
             if checks and (step % heldout_every == 0 or step == config.steps):
