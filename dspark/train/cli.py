@@ -1,8 +1,8 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
     python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 14000 --fit-steps \
-        --argmax-weight 0.3 --kl-weight 0.3 --synthetic-prompts 28000 --responses-per-prompt 3 \
-        --time-budget-s 1190                                  # the shipped drafter's run (20 minutes)
+        --argmax-weight 0.3 --kl-weight 0.3 --synthetic-prompts 17500 --responses-per-prompt 4 \
+        --time-budget-s 1190              # the shipped drafter's run (20 minutes; its step-13,000 save)
     python -m dspark.train --out runs/smollm2 ... --steps FITTED --resume   # a cut run: its flags, and
                                                   # the fitted total from log.jsonl for --steps
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
