@@ -8,6 +8,7 @@ cut as OpenAI cuts them, and a 400 that names the parameter for every request it
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.metadata
 import json
 import os
@@ -370,6 +371,50 @@ def test_the_listen_backlog_holds_many_clients_at_once():
     assert len(clients) == 64
 
 
+def post_raw(server, headers: bytes, body: bytes, half_close: bool = False) -> bytes:
+    """The whole answer to a POST /v1/completions written byte for byte, on a connection that closes
+    (half_close: the client's side closes after the body, so a body cut short ends there)."""
+    client = socket.create_connection(server.server_address, timeout=120)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + headers + b"\r\n" + body)
+    if half_close:
+        client.shutdown(socket.SHUT_WR)
+    answer = b"".join(iter(lambda: client.recv(65536), b""))
+    client.close()
+    return answer
+
+
+def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
+    """Chunked bodies (as HTTP/1.1 clients send a body of unknown length) give the answer a
+    Content-Length body gives, and the next request on the connection is read where it starts."""
+    body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}).encode()
+    _, expected = call(server, "/v1/completions", raw=body)
+    connection = http.client.HTTPConnection(*server.server_address, timeout=120)
+    for _ in range(2):
+        connection.request("POST", "/v1/completions", body=iter([body[:5], body[5:17], body[17:]]),
+                           headers={"Transfer-Encoding": "chunked", "Content-Type": "application/json"},
+                           encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 200
+        assert json.loads(response.read())["choices"] == expected["choices"]
+    connection.close()
+    framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (body[:9], body[9:]))
+    answer = post_raw(server, b"Transfer-Encoding: chunked\r\n", framed + b"0\r\nX-Checksum: 1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and expected["choices"][0]["text"].encode() in answer
+
+
+@pytest.mark.parametrize("coding, framed, status, message", [
+    (b"chunked", b"zz\r\n{}\r\n0\r\n\r\n", 400, b"malformed chunk size line"),
+    (b"chunked", b"0x2\r\n{}\r\n0\r\n\r\n", 400, b"malformed chunk size line"),
+    (b"chunked", b"9\r\n{}", 400, b"shorter than its size"),
+    (b"chunked", b"14\r\n" + b" " * 20 + b"\r\n0\r\n\r\n", 400, b"larger than 16 bytes"),
+    (b"gzip, chunked", b"2\r\n{}\r\n0\r\n\r\n", 501, b"is not supported (only chunked)"),
+])
+def test_a_bad_chunked_body_gets_an_error_that_says_why(server, monkeypatch, coding, framed, status, message):
+    monkeypatch.setattr(server_module, "MAX_BODY_BYTES", 16)
+    answer = post_raw(server, b"Transfer-Encoding: " + coding + b"\r\n", framed, half_close=True)
+    assert answer.startswith(b"HTTP/1.1 %d" % status) and message in answer
+
+
 def test_a_stalled_or_idle_client_is_let_go(server, monkeypatch):
     """A body that stops arriving gets a 408 and the connection closes; so does an idle one (each
     once held a server thread for ever)."""
@@ -469,7 +514,7 @@ def test_metrics_escape_the_model_name_and_count_first_tokens():
 
 def test_after_shutdown_nothing_waits_forever():
     """A request submitted once the engine stops is refused; those in flight or waiting at shutdown
-    receive EngineStopped rather than waiting on events that never come."""
+    receive EngineStopped rather than waiting on events that never come, and count as aborted."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -479,6 +524,7 @@ def test_after_shutdown_nothing_waits_forever():
     engine.run()
     for request in (running, waiting):
         assert isinstance(request.events.queue[-1], EngineStopped)
+    assert engine.stats.finished == {"abort": 2}
     with pytest.raises(EngineStopped):
         engine.submit([4], SamplingParams(max_tokens=2))
 

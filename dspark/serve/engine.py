@@ -47,7 +47,7 @@ class Request:
 @dataclass
 class EngineStats:
     """Counters since start, read by the metrics endpoint."""
-    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client left)
+    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client left or the engine stopped first)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -143,6 +143,7 @@ class Engine:
         while not self.waiting.empty():
             pending.append(self.waiting.get())
         for request in filter(None, pending):  # None: shutdown's wake-up
+            self._count_finished("abort")
             request.events.put(error)
         self.slots = [None] * self.max_batch
 
@@ -240,6 +241,8 @@ class Engine:
     def _finish(self, request: Request) -> None:
         """Counts the request by its finish reason, then tells its waiter it is done (so a client
         that has its answer finds it counted in /metrics)."""
-        reason = request.result.finish_reason
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self._count_finished(request.result.finish_reason)
         request.events.put(None)
+
+    def _count_finished(self, reason: str) -> None:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -25,7 +25,8 @@ def prometheus_text(engine: Engine, model: str) -> str:
 
     metric("num_requests_running", "gauge", "Requests in a batch slot.", running)
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())
-    family("request_success_total", "counter", "Finished requests, by finish reason (abort: the client left).",
+    family("request_success_total", "counter",
+           "Finished requests, by finish reason (abort: the client left or the engine stopped first).",
            [("", f',finished_reason="{reason}"', n) for reason, n in sorted(stats.finished.items())])
     metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
     metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)

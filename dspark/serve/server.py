@@ -8,13 +8,15 @@ CLIENT_POLL_S that its client is still there (a request whose client left is abo
 freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects
 in OpenAI's shape: 400 for a request the server cannot serve (the message names the parameter),
 404 for a wrong path or a model not served here, 405 for a wrong method, 408 for a body that does
-not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 503 when the engine has
-stopped, 500 for a fault of the server's own (the message says which).
+not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 501 for a transfer
+coding other than chunked, 503 when the engine has stopped, 500 for a fault of the server's own
+(the message says which). A body comes with a Content-Length or chunked.
 """
 from __future__ import annotations
 
 import json
 import queue
+import re
 import selectors
 import socket
 import threading
@@ -29,6 +31,7 @@ from dspark.serve.metrics import prometheus_text
 
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
 MAX_BODY_BYTES = 1 << 22
+MAX_LINE_BYTES = 1 << 12  # a chunk's size line or a trailer line
 CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 CLIENT_TIMEOUT_S = 20.0  # how long a connection may sit idle, or take over a request or a write, before it is closed
 
@@ -82,16 +85,45 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
 
     def _read_json(self):
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise openai.BadRequest("a JSON body with a Content-Length header is required")
-        if int(length) > MAX_BODY_BYTES:
-            raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(int(length))
+        coding = self.headers.get("Transfer-Encoding")
+        if coding is not None:
+            if coding.strip().lower() != "chunked":
+                raise openai.BadRequest(f"Transfer-Encoding {coding!r} is not supported (only chunked)",
+                                        status=HTTPStatus.NOT_IMPLEMENTED)
+            raw = self._read_chunked()  # it overrides any Content-Length (RFC 9112 §6.3)
+        else:
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise openai.BadRequest("a JSON body with a Content-Length header or chunked encoding is required")
+            if int(length) > MAX_BODY_BYTES:
+                raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+            raw = self.rfile.read(int(length))
         try:
             return json.loads(raw)
         except ValueError as error:
             raise openai.BadRequest(f"the body is not valid JSON: {error}") from error
+
+    def _read_chunked(self) -> bytes:
+        """A chunked body (RFC 9112 §7.1): hex sizes with optional extensions, each chunk followed by
+        CRLF, a zero size, then trailer lines (read and dropped) up to an empty line."""
+        body = bytearray()
+        while True:
+            line = self.rfile.readline(MAX_LINE_BYTES)
+            digits = line.split(b";")[0].strip()
+            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", digits):
+                raise openai.BadRequest(f"a malformed chunk size line: {line[:40]!r}")
+            size = int(digits, 16)
+            if size == 0:
+                break
+            if len(body) + size > MAX_BODY_BYTES:
+                raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+            chunk = self.rfile.read(size)
+            if len(chunk) < size or self.rfile.read(2) != b"\r\n":
+                raise openai.BadRequest("a chunk is shorter than its size or does not end in CRLF")
+            body += chunk
+        while self.rfile.readline(MAX_LINE_BYTES).strip():
+            pass
+        return bytes(body)
 
     # ------------------------------------------------------------------ routes
 
