@@ -2,7 +2,8 @@
 
 - transformers' generate on the same GGUF (greedy), when transformers is installed;
 - dspark without speculation (K = 0), greedy and at T = 1;
-- dspark with the shipped DSpark drafter (K = 7), greedy and at T = 1, standard and block;
+- dspark with the shipped DSpark drafter (K = 7), greedy and at T = 1, standard and block (with
+  --drafter, with each drafter folder given instead, labelled by its name);
 - with --compile, also K = 0 and K = 7 block with the decode step through torch.compile (its
   compilation falls in the warm-up run).
 
@@ -11,7 +12,7 @@ the decoder; tokens/step is the mean acceptance length (bonus token included). T
 turns, `--rounds` passes over all of them, so a slow phase of the machine does not land on one row.
 
     python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--compile]
-        [--out table.md]
+        [--drafter DIR [DIR ...]] [--out table.md]
 """
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder, load_default
+from dspark.checkpoint import load_drafter
 from dspark.data import heldout_prompts, render
+from dspark.eval import drafter_labels
 from dspark.loading import default_gguf_path
 from timing import emit_table
 
@@ -69,27 +73,34 @@ def main() -> None:
                         "several: every decoder in each, in the same rounds")
     p.add_argument("--compile", action="store_true",
                    help="also K = 0 and K = 7 block with the step through torch.compile (compiled in the warm-up)")
+    p.add_argument("--drafter", nargs="+", type=Path, default=None,
+                   help="DeepSpec-format drafter folders to time (default: the shipped drafter, as DSpark)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    labels = drafter_labels(args.drafter) if args.drafter else ["DSpark"]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     runners = {}
     for name in args.dtype:
         dtype = getattr(torch, name)
         target, drafter, tokenizer = load_default(dtype=dtype)
+        loaded = [load_drafter(path, target) for path in args.drafter] if args.drafter else [drafter]
+        drafters = dict(zip(labels, loaded))
         plain = SpeculativeDecoder(target, None)
         runners[f"{name}: transformers generate, greedy"] = transformers_runner(args.tokens, dtype)
         runners[f"{name}: dspark K=0, greedy"] = dspark_runner(plain, greedy)
         runners[f"{name}: dspark K=0, T=1"] = dspark_runner(plain, sampled)
-        for method in ("standard", "block"):
-            spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
-            runners[f"{name}: dspark DSpark K=7 {method}, greedy"] = dspark_runner(spec, greedy)
-            runners[f"{name}: dspark DSpark K=7 {method}, T=1"] = dspark_runner(spec, sampled)
+        for label, drafter in drafters.items():
+            for method in ("standard", "block"):
+                spec = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method=method)
+                runners[f"{name}: dspark {label} K=7 {method}, greedy"] = dspark_runner(spec, greedy)
+                runners[f"{name}: dspark {label} K=7 {method}, T=1"] = dspark_runner(spec, sampled)
         if args.compile:
-            for label, decoder in (("K=0", SpeculativeDecoder(target, None, compile=True)),
-                                   ("DSpark K=7 block", SpeculativeDecoder(target, drafter, num_speculative_tokens=7,
-                                                                           rejection_sample_method="block",
-                                                                           compile=True))):
+            compiled = {"K=0": SpeculativeDecoder(target, None, compile=True)}
+            for label, drafter in drafters.items():
+                compiled[f"{label} K=7 block"] = SpeculativeDecoder(target, drafter, num_speculative_tokens=7,
+                                                                    rejection_sample_method="block", compile=True)
+            for label, decoder in compiled.items():
                 for temperature, params in (("greedy", greedy), ("T=1", sampled)):
                     runners[f"{name}: dspark {label} compiled, {temperature}"] = dspark_runner(decoder, params)
     prompts = render(tokenizer, heldout_prompts()[:args.prompts])

@@ -400,6 +400,12 @@ def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
     framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (body[:9], body[9:]))
     answer = post_raw(server, b"Transfer-Encoding: chunked\r\n", framed + b"0\r\nX-Checksum: 1\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200") and expected["choices"][0]["text"].encode() in answer
+    client = socket.create_connection(server.server_address, timeout=10)  # the server idles 20 s first
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n")
+    answer = b"".join(iter(lambda: client.recv(65536), b""))  # ends: with both headers, it closes
+    client.close()
+    assert answer.startswith(b"HTTP/1.1 200") and expected["choices"][0]["text"].encode() in answer
 
 
 @pytest.mark.parametrize("coding, framed, status, message", [

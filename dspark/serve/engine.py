@@ -47,7 +47,8 @@ class Request:
 @dataclass
 class EngineStats:
     """Counters since start, read by the metrics endpoint."""
-    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client left or the engine stopped first)
+    finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client
+                                                            # left or the engine stopped first)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -136,7 +137,8 @@ class Engine:
         self._fail_pending(EngineStopped("the engine was shut down"))
 
     def _fail_pending(self, error: Exception) -> None:
-        """Stops taking requests and hands `error` to every request in flight or waiting."""
+        """Stops taking requests and hands `error` to every request in flight or waiting (each counted
+        as aborted)."""
         with self.lock:
             self.stopped.set()
         pending = [r for r in self.slots if r is not None]

@@ -90,7 +90,9 @@ class Handler(BaseHTTPRequestHandler):
             if coding.strip().lower() != "chunked":
                 raise openai.BadRequest(f"Transfer-Encoding {coding!r} is not supported (only chunked)",
                                         status=HTTPStatus.NOT_IMPLEMENTED)
-            raw = self._read_chunked()  # it overrides any Content-Length (RFC 9112 §6.3)
+            raw = self._read_chunked()  # it overrides any Content-Length (RFC 9112 §6.3) ...
+            if "Content-Length" in self.headers:  # ... and the connection closes after such a request
+                self.close_connection = True
         else:
             length = self.headers.get("Content-Length")
             if length is None or not length.isdigit():
