@@ -385,7 +385,8 @@ def post_raw(server, headers: bytes, body: bytes, half_close: bool = False) -> b
 
 def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
     """Chunked bodies (as HTTP/1.1 clients send a body of unknown length) give the answer a
-    Content-Length body gives, and the next request on the connection is read where it starts."""
+    Content-Length body gives, and the next request on the connection is read where it starts; with
+    a Content-Length beside the chunked coding, the server closes after its answer (RFC 9112 §6.3)."""
     body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}).encode()
     _, expected = call(server, "/v1/completions", raw=body)
     connection = http.client.HTTPConnection(*server.server_address, timeout=120)
