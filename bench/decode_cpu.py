@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from dspark import SamplingParams, SpeculativeDecoder, load_default
-from dspark.checkpoint import load_drafter
+from dspark import SamplingParams, SpeculativeDecoder
 from dspark.data import heldout_prompts, render
-from dspark.eval import drafter_labels
+from dspark.eval import load_drafters
 from dspark.loading import default_gguf_path
 from timing import emit_table
 
@@ -77,15 +76,12 @@ def main() -> None:
                    help="DeepSpec-format drafter folders to time (default: the shipped drafter, as DSpark)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    labels = drafter_labels(args.drafter) if args.drafter else ["DSpark"]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     runners = {}
     for name in args.dtype:
         dtype = getattr(torch, name)
-        target, drafter, tokenizer = load_default(dtype=dtype)
-        loaded = [load_drafter(path, target) for path in args.drafter] if args.drafter else [drafter]
-        drafters = dict(zip(labels, loaded))
+        target, drafters, tokenizer = load_drafters(args.drafter, dtype, default_label="DSpark")
         plain = SpeculativeDecoder(target, None)
         runners[f"{name}: transformers generate, greedy"] = transformers_runner(args.tokens, dtype)
         runners[f"{name}: dspark K=0, greedy"] = dspark_runner(plain, greedy)

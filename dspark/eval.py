@@ -34,6 +34,7 @@ from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default, load_default_target, measuring_dtype
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
+from dspark.tokenizer import Tokenizer
 
 
 @dataclass
@@ -153,16 +154,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def load_drafters(paths: list[Path] | None, dtype: torch.dtype, device: str | torch.device = "cpu",
+                  default_label: str = "default") -> tuple[TargetModel, dict[str, DSparkDrafter], Tokenizer]:
+    """(target, {label: drafter}, tokenizer): the default target with the drafter folders given, or
+    with the shipped drafter (as `default_label`) when there are none."""
+    if not paths:
+        target, drafter, tokenizer = load_default(dtype=dtype, device=device)
+        return target, {default_label: drafter}, tokenizer
+    labels = drafter_labels(paths)  # before the load: a folder given twice fails at once
+    target, tokenizer = load_default_target(dtype=dtype, device=device)
+    return target, {label: load_drafter(path, target) for label, path in zip(labels, paths)}, tokenizer
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else measuring_dtype(args.device)
-    if args.drafter:
-        labels = drafter_labels(args.drafter)  # before the load: a folder given twice fails at once
-        target, tokenizer = load_default_target(dtype=dtype, device=args.device)
-        drafters = {label: load_drafter(path, target) for label, path in zip(labels, args.drafter)}
-    else:
-        target, default_drafter, tokenizer = load_default(dtype=dtype, device=args.device)
-        drafters = {"default": default_drafter}
+    target, drafters, tokenizer = load_drafters(args.drafter, dtype, args.device)
     if args.prompts == "heldout":
         prompts = heldout_prompts()[:args.num_prompts]
     else:

@@ -36,6 +36,13 @@ CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client
 CLIENT_TIMEOUT_S = 20.0  # how long a connection may sit idle, or take over a request or a write, before it is closed
 
 
+def check_body_size(size: int) -> int:
+    """`size`, if a body may be that long."""
+    if size > MAX_BODY_BYTES:
+        raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+    return size
+
+
 def client_gone(connection: socket.socket) -> bool:
     """Whether the client has closed `connection`: readable, with nothing to read (a selector, not
     select(), which refuses descriptors from 1024 on)."""
@@ -97,9 +104,7 @@ class Handler(BaseHTTPRequestHandler):
             length = self.headers.get("Content-Length")
             if length is None or not length.isdigit():
                 raise openai.BadRequest("a JSON body with a Content-Length header or chunked encoding is required")
-            if int(length) > MAX_BODY_BYTES:
-                raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
-            raw = self.rfile.read(int(length))
+            raw = self.rfile.read(check_body_size(int(length)))
         try:
             return json.loads(raw)
         except ValueError as error:
@@ -117,8 +122,7 @@ class Handler(BaseHTTPRequestHandler):
             size = int(digits, 16)
             if size == 0:
                 break
-            if len(body) + size > MAX_BODY_BYTES:
-                raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+            check_body_size(len(body) + size)
             chunk = self.rfile.read(size)
             if len(chunk) < size or self.rfile.read(2) != b"\r\n":
                 raise openai.BadRequest("a chunk is shorter than its size or does not end in CRLF")
