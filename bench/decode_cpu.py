@@ -77,7 +77,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.prompts * args.rounds < 2:
-        p.error(f"--prompts x --rounds must be at least 2 (the quartiles need two runs), got {args.prompts} x {args.rounds}")
+        p.error(f"--prompts x --rounds must be at least 2 (the quartiles need two runs), "
+                f"got {args.prompts} x {args.rounds}")
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=0)
     runners = {}
