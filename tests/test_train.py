@@ -160,8 +160,13 @@ def test_resume_may_change_the_step_count_and_the_schedule_follows_it(target, se
     config = training.TrainConfig(steps=8, batch_size=2, num_anchors=4, lr=1e-3, warmup=0.25, rank0_twin=False)
     training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=lambda step: step == 3)
     longer = dataclasses.replace(config, steps=12)
-    [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, longer, resume=True)
+    [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, longer, resume=True,
+                               log_every=1)
     assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 12
+    # the first step after the resume (logged as step 4) runs at the new schedule's rate
+    rate = {entry["step"]: entry["lr"] for entry in map(json.loads, (tmp_path / "log.jsonl").open()) if "lr" in entry}
+    new_rate, old_rate = (config.lr * training.warmup_cosine(total, config.warmup)(3) for total in (12, 8))
+    assert rate[4] == new_rate != old_rate
     expected = config.lr * training.warmup_cosine(12, config.warmup)(12)
     assert student.scheduler.get_last_lr()[0] == pytest.approx(expected)
 
@@ -242,7 +247,7 @@ def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
 @pytest.mark.parametrize("flag, value", [("--grad-clip", "-1"), ("--grad-clip", "0"), ("--decay-gamma", "0"),
                                          ("--lr", "-1e-3"), ("--warmup", "5"), ("--kl-weight", "-0.1"),
                                          ("--tv-weight", "nan"), ("--followup-anchors", "2"), ("--time-budget-s", "0"),
-                                         ("--max-prompt-tokens", "0"), ("--synthetic-max-tokens", "0")])
+                                         ("--time-budget-s", "inf"), ("--max-prompt-tokens", "0"), ("--synthetic-max-tokens", "0")])
 def test_the_command_line_refuses_a_recipe_that_trains_garbage(flag, value, capsys):
     """A negative clip norm ascended the gradient, gamma 0 made the loss NaN, warmup 5 kept the
     rate at a fifth of its peak: each ran without a word, after minutes of generation."""
@@ -305,10 +310,14 @@ def test_a_fitted_schedule_ends_with_the_time_budget(target, sequences, tmp_path
     budget = training.TimeBudget(deadline=12.5)
     monkeypatch.setattr(schedule, "time", type("Clock", (), {"monotonic": staticmethod(tick)}))
     [student] = training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, stop=budget,
-                               fit_schedule=True)
+                               fit_schedule=True, log_every=1)
     fitted = int(loop.FIT_MARGIN * 9)  # 3 steps in, the budget's last call read 3.0: 9.5 s, 9 steps left
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert {"step": 3, "fitted_steps": 3 + fitted} in log
+    # the fourth step (logged as step 4) already runs at the fitted schedule's rate, not the old one's
+    rate = {entry["step"]: entry["lr"] for entry in log if "lr" in entry}
+    fitted_rate, old_rate = (config.lr * training.warmup_cosine(total, config.warmup)(3) for total in (3 + fitted, 50))
+    assert rate[4] == fitted_rate != old_rate
     assert torch.load(tmp_path / training.CHECKPOINT, weights_only=True)["step"] == 3 + fitted
     assert student.scheduler.get_last_lr()[0] == 0.0
     with pytest.raises(ValueError, match="TimeBudget"):

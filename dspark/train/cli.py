@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import multiprocessing
 import sys
 import time
@@ -93,7 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fit-steps", action="store_true",
                    help=f"fit the schedule to --time-budget-s: {FIT_AFTER_STEPS} steps in, the total becomes the "
                         "steps that fit before the deadline (--steps is the total until then); log.jsonl "
-                        "records it, and a resume without --fit-steps must pass it as --steps")
+                        "records it, and a resume without --fit-steps must pass it as --steps. The warmup is a "
+                        "share of the total, so give --steps near the total expected: a rate still warming up "
+                        "moves by their ratio at the fit")
     p.add_argument("--stop-at", type=int, default=None,
                    help="end after this many steps of the --steps schedule: a probe of a recipe, whose "
                         "learning rate is the whole schedule's at every step (--resume continues it)")
@@ -147,8 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     except ValueError as error:  # its field names are the flags'
         p.error(f"--{str(error).replace('_', '-')}")
-    if args.time_budget_s is not None and not args.time_budget_s > 0:
-        p.error(f"--time-budget-s must be > 0, got {args.time_budget_s}")
+    if args.time_budget_s is not None and not 0 < args.time_budget_s < math.inf:
+        p.error(f"--time-budget-s must be a finite number > 0, got {args.time_budget_s}")
     if args.fit_steps and args.time_budget_s is None:
         p.error("--fit-steps needs --time-budget-s")
     if args.stop_at is not None:

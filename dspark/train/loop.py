@@ -42,7 +42,7 @@ def fit_schedule_to(budget: TimeBudget, step: int, students: list[Student], conf
     learning-rate schedules follow the new total from `step` on (as on a resume with other --steps)."""
     steps = step + int(FIT_MARGIN * budget.steps_left())
     for student in students:
-        student.scheduler.lr_lambdas[0] = warmup_cosine(steps, config.warmup)
+        student.follow(warmup_cosine(steps, config.warmup))
     return dataclasses.replace(config, steps=steps)
 
 

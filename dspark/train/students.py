@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -39,6 +40,15 @@ class Student:
                              f"{sorted(trainable & set(missing))}, unexpected {sorted(unexpected)}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.follow(self.scheduler.lr_lambdas[0])  # the saved rate is the saved schedule's; a resume may change --steps
+
+    def follow(self, schedule: Callable[[int], float]) -> None:
+        """Takes `schedule` (step -> learning-rate factor) from the current step on, this step included:
+        the optimizer's rate was set by the old schedule when the last step ended."""
+        self.scheduler.lr_lambdas[0] = schedule
+        step = self.scheduler.last_epoch
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * schedule(step)
 
 
 def make_student(name: str, target: TargetModel, config: DrafterConfig, train: TrainConfig) -> Student:
