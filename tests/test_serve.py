@@ -302,6 +302,7 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
 
 @pytest.mark.parametrize("path, body, raw, status, words", [
     ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", None, b"[" * 100_000 + b"]" * 100_000, 400, "not valid JSON"),  # too deep for json
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, None, 400, "maximum model length 256"),
     ("/v1/completions", {"prompt": [1, 10**9]}, None, 400, "outside [0, 49152)"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p must be in (0, 1]"),
@@ -413,13 +414,62 @@ def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
     (b"chunked", b"zz\r\n{}\r\n0\r\n\r\n", 400, b"malformed chunk size line"),
     (b"chunked", b"0x2\r\n{}\r\n0\r\n\r\n", 400, b"malformed chunk size line"),
     (b"chunked", b"9\r\n{}", 400, b"shorter than its size"),
-    (b"chunked", b"14\r\n" + b" " * 20 + b"\r\n0\r\n\r\n", 400, b"larger than 16 bytes"),
+    (b"chunked", b"14\r\n" + b" " * 20 + b"\r\n0\r\n\r\n", 413, b"larger than 16 bytes"),
     (b"gzip, chunked", b"2\r\n{}\r\n0\r\n\r\n", 501, b"is not supported (only chunked)"),
 ])
 def test_a_bad_chunked_body_gets_an_error_that_says_why(server, monkeypatch, coding, framed, status, message):
     monkeypatch.setattr(server_module, "MAX_BODY_BYTES", 16)
     answer = post_raw(server, b"Transfer-Encoding: " + coding + b"\r\n", framed, half_close=True)
     assert answer.startswith(b"HTTP/1.1 %d" % status) and message in answer
+
+
+def exchange(server, request: bytes) -> bytes:
+    """Everything the server sends back for the raw `request` until it closes the connection (the
+    server idles CLIENT_TIMEOUT_S, 20 s, on a connection it keeps)."""
+    client = socket.create_connection(server.server_address, timeout=60)
+    client.sendall(request)
+    answer = b"".join(iter(lambda: client.recv(65536), b""))
+    client.close()
+    return answer
+
+
+@pytest.mark.parametrize("headers, status, message", [
+    (b"Content-Length: \xb2\r\n", 400, b"Content-Length must be one decimal number"),  # "2", as str.isdigit sees it
+    (b"Content-Length: 2\r\nContent-Length: 3\r\n", 400, b"Content-Length must be one decimal number"),
+    (b"Content-Length: 17\r\nExpect: 100-continue\r\n", 413, b"larger than 16 bytes"),
+])
+def test_a_body_of_a_bad_length_is_refused_and_the_connection_closed(server, monkeypatch, headers, status, message):
+    """The body is not read, so nothing of it may be taken for a next request; a client that waits
+    for a 100 Continue gets the refusal instead."""
+    monkeypatch.setattr(server_module, "MAX_BODY_BYTES", 16)
+    answer = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 %d" % status) and message in answer
+    assert answer.count(b"HTTP/1.1") == 1 and b"Connection: close" in answer
+
+
+def test_a_get_with_a_body_is_answered_and_its_body_not_read_as_a_request(server):
+    """The body here is a request line: once, it was answered as a second request."""
+    answer = exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 18\r\n\r\nGET /x HTTP/1.1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+
+
+def test_methods_a_route_does_not_take_get_a_405_naming_the_allowed_ones(server):
+    connection = http.client.HTTPConnection(*server.server_address, timeout=60)
+    for method, path, allowed in [("POST", "/health", "GET, HEAD"), ("PUT", "/v1/models", "GET, HEAD"),
+                                  ("DELETE", "/v1/completions", "POST"), ("OPTIONS", "/v1/chat/completions", "POST"),
+                                  ("GET", "/v1/completions", "POST")]:
+        connection.request(method, path)
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+        assert (response.status, response.getheader("Allow")) == (405, allowed) and path in error["message"]
+    connection.request("HEAD", "/health")  # health probes: the GET's headers, no body, the connection kept
+    response = connection.getresponse()
+    assert response.status == 200 and int(response.getheader("Content-Length")) > 0 and response.read() == b""
+    connection.request("GET", "/health")
+    assert json.loads(connection.getresponse().read()) == {"status": "ok"}
+    connection.close()
+    answer = exchange(server, b"BREW /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the standard library's refusal
+    assert answer.startswith(b"HTTP/1.1 501") and json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
 
 
 def test_a_stalled_or_idle_client_is_let_go(server, monkeypatch):

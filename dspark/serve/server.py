@@ -1,16 +1,18 @@
 """The OpenAI-compatible HTTP server over an Engine (standard library only).
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
-    GET  /v1/models, /health, /metrics (Prometheus text), /version
+    GET  /v1/models, /health, /metrics (Prometheus text), /version   (and HEAD: their headers)
 
 Each HTTP request runs in its own thread and waits on its engine request's events, checking every
 CLIENT_POLL_S that its client is still there (a request whose client left is aborted, its slot
 freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects
 in OpenAI's shape: 400 for a request the server cannot serve (the message names the parameter),
-404 for a wrong path or a model not served here, 405 for a wrong method, 408 for a body that does
-not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 501 for a transfer
-coding other than chunked, 503 when the engine has stopped, 500 for a fault of the server's own
-(the message says which). A body comes with a Content-Length or chunked.
+404 for a wrong path or a model not served here, 405 (with Allow) for a wrong method, 408 for a body
+that does not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 413 for a body
+over MAX_BODY_BYTES (refused before it is sent when the client expects a 100 Continue), 501 for a
+transfer coding other than chunked or an unknown method, 503 when the engine has stopped, 500 for a
+fault of the server's own (the message says which). A body comes with a Content-Length or chunked;
+a request whose body is not read (a wrong route, a refused body) closes its connection.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dspark.serve.engine import Engine, EngineStopped, Request
 from dspark.serve.metrics import prometheus_text
 
 COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
+GET_ROUTES = ("/health", "/v1/models", "/metrics", "/version")
 MAX_BODY_BYTES = 1 << 22
 MAX_LINE_BYTES = 1 << 12  # a chunk's size line or a trailer line
 CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -37,10 +40,19 @@ CLIENT_TIMEOUT_S = 20.0  # how long a connection may sit idle, or take over a re
 
 
 def check_body_size(size: int) -> int:
-    """`size`, if a body may be that long."""
+    """`size`, if a body may be that long (else a 413)."""
     if size > MAX_BODY_BYTES:
-        raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes")
+        raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes",
+                                status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
     return size
+
+
+def body_length(values: list[str]) -> int:
+    """The body size given by a request's Content-Length header values: one decimal number, no
+    larger than MAX_BODY_BYTES (else a 400, or a 413)."""
+    if len(values) != 1 or not re.fullmatch(r"[0-9]{1,19}", values[0]):
+        raise openai.BadRequest(f"Content-Length must be one decimal number, got {values!r}")
+    return check_body_size(int(values[0]))
 
 
 def client_gone(connection: socket.socket) -> bool:
@@ -80,16 +92,46 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, status: int, body, content_type: str = "application/json") -> None:
+    head_only = False  # answering a HEAD: the headers of a GET's answer, no body
+
+    def _send(self, status: int, body, content_type: str = "application/json", headers: dict | None = None) -> None:
         data = (json.dumps(body) if content_type == "application/json" else body).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if not self.head_only:
+            self.wfile.write(data)
 
-    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+               headers: dict | None = None):
+        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}},
+                   headers=headers)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own refusals (a malformed request line, a line or headers too long,
+        an unknown method) in the JSON shape of every other error; the connection closes."""
+        self.close_connection = True
+        self._error(code, message or HTTPStatus(code).phrase)
+
+    def handle_expect_100(self) -> bool:
+        """A body whose length the server refuses is refused before the client sends it, not after a
+        100 Continue."""
+        if "Content-Length" in self.headers:
+            try:
+                body_length(self.headers.get_all("Content-Length"))
+            except openai.BadRequest as error:
+                self.close_connection = True
+                self._send(error.status, error.body())
+                return False
+        return super().handle_expect_100()
+
+    def _has_body(self) -> bool:
+        return "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0") != "0"
 
     def _read_json(self):
         coding = self.headers.get("Transfer-Encoding")
@@ -101,13 +143,13 @@ class Handler(BaseHTTPRequestHandler):
             if "Content-Length" in self.headers:  # ... and the connection closes after such a request
                 self.close_connection = True
         else:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            lengths = self.headers.get_all("Content-Length")
+            if not lengths:
                 raise openai.BadRequest("a JSON body with a Content-Length header or chunked encoding is required")
-            raw = self.rfile.read(check_body_size(int(length)))
+            raw = self.rfile.read(body_length(lengths))
         try:
             return json.loads(raw)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
             raise openai.BadRequest(f"the body is not valid JSON: {error}") from error
 
     def _read_chunked(self) -> bytes:
@@ -135,6 +177,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         server, path = self.server, self.path.split("?")[0]
+        if self._has_body():  # not read: the connection cannot go on after it
+            self.close_connection = True
+        if path not in GET_ROUTES:
+            self._wrong_route(path)
+            return
         if path == "/health":
             alive = server.engine_thread.is_alive()
             self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,
@@ -148,16 +195,35 @@ class Handler(BaseHTTPRequestHandler):
                        "text/plain; version=0.0.4")
         elif path == "/version":
             self._send(HTTPStatus.OK, {"version": __version__})
-        elif path in COMPLETION_ROUTES:
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes POST")
-        else:
+
+    def do_HEAD(self):
+        """A GET's status and headers without its body (health probes send HEAD)."""
+        self.head_only = True
+        try:
+            self.do_GET()
+        finally:
+            self.head_only = False
+
+    def _wrong_route(self, path: str) -> None:
+        """404 for a path not served, 405 (with Allow) for a method the path does not take. A body the
+        request has stays unread, so the connection then closes."""
+        if self._has_body():
+            self.close_connection = True
+        allowed = "POST" if path in COMPLETION_ROUTES else "GET, HEAD" if path in GET_ROUTES else None
+        if allowed is None:
             self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
+        else:
+            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {allowed}", headers={"Allow": allowed})
+
+    def _other_method(self):
+        self._wrong_route(self.path.split("?")[0])
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
 
     def do_POST(self):
         server, path = self.server, self.path.split("?")[0]
         if path not in COMPLETION_ROUTES:
-            self.close_connection = True  # its body stays unread
-            self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
+            self._wrong_route(path)
             return
         kind = COMPLETION_ROUTES[path]
         try:
