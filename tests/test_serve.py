@@ -629,8 +629,14 @@ def test_a_client_that_closes_its_side_is_gone_and_gets_no_answer(server, monkey
 
 def test_unsupported_parameters_at_their_off_values_are_accepted(server):
     body = {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1.0, "best_of": 1, "frequency_penalty": 0,
-            "response_format": {"type": "text"}, "logprobs": None, "echo": False, "logit_bias": {}}
+            "response_format": {"type": "text"}, "logprobs": None, "echo": False, "logit_bias": {}, "suffix": ""}
     assert call(server, "/v1/completions", body)[0] == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": True, "store": False}  # what agent frameworks send with no tools
+    assert call(server, "/v1/chat/completions", chat)[0] == 200
+    for key, value in [("tool_choice", "auto"), ("store", True), ("suffix", " end")]:
+        status, answer = call(server, "/v1/chat/completions", {**chat, key: value})
+        assert status == 400 and answer["error"]["param"] == key
 
 
 def test_a_temperature_below_1e_5_is_greedy(server):

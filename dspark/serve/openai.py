@@ -19,8 +19,9 @@ from dspark.tokenizer import IncrementalDecoder
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "functions",
-               "response_format", "prompt_logprobs")
-OFF_VALUES = {"repetition_penalty": [1], "best_of": [1], "response_format": [{"type": "text"}]}  # else 0, [], {}
+               "parallel_tool_calls", "response_format", "prompt_logprobs", "store")
+OFF_VALUES = {"repetition_penalty": [1], "best_of": [1], "response_format": [{"type": "text"}], "suffix": [""],
+              "tool_choice": ["none"], "parallel_tool_calls": [True]}  # else 0, [], {} (and null, false)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
           "ignore_eos", "n", "stream", "stream_options", "user", *UNSUPPORTED}
 COMPLETION_KEYS = COMMON | {"prompt"}
@@ -57,9 +58,12 @@ def _asks_for_nothing(key: str, value) -> bool:
     """Whether an unsupported parameter's value is its off value, which clients send by default."""
     if value is None or value is False:
         return True
-    if isinstance(value, bool) or key == "logprobs":  # logprobs 0: the sampled tokens' logprobs
+    if key == "logprobs":  # logprobs 0: the sampled tokens' logprobs
         return False
-    return value in OFF_VALUES.get(key, [0, [], {}])
+    off = OFF_VALUES.get(key, [0, [], {}])
+    if isinstance(value, bool):  # True is no number: no repetition_penalty 1
+        return any(value is v for v in off)
+    return value in off
 
 
 def _check_keys(body: dict, allowed: set[str]) -> None:
