@@ -54,7 +54,7 @@ class StopCondition:
     A stop string found must end in the newest piece of text, so only that piece and the characters
     before it that the longest stop string could reach back to are searched."""
 
-    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None):
+    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None, prompt: Sequence[int] = ()):
         self.max_tokens = params.max_tokens
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -63,7 +63,8 @@ class StopCondition:
         if self.stop_strings and tokenizer is None:
             raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
                              "pass tokenizer= to SpeculativeDecoder")
-        self.text = IncrementalDecoder(tokenizer, skip_special_tokens=True) if self.stop_strings else None
+        self.text = (IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
+                     if self.stop_strings else None)
         self.keep = max((len(s) for s in self.stop_strings), default=1) - 1
         self.tail = ""  # the text's last `keep` characters
 
@@ -211,10 +212,11 @@ class SpeculativeDecoder:
         runs asynchronously; on the CPU nothing would overlap, and the last step queued is wasted."""
         return self.device.type == "cuda"
 
-    def stop_condition(self, params: SamplingParams) -> StopCondition:
-        """The stop condition of a request: its stops, max_tokens, and the model's EOS tokens."""
+    def stop_condition(self, params: SamplingParams, prompt: Sequence[int] = ()) -> StopCondition:
+        """The stop condition of a request: its stops, max_tokens, and the model's EOS tokens; stop
+        strings are looked for in the text the tokens add to `prompt`'s."""
         eos = set(self.target.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        return StopCondition(params, sorted(eos), self.tokenizer)
+        return StopCondition(params, sorted(eos), self.tokenizer, prompt)
 
     # ------------------------------------------------------------------ the static step
 
@@ -293,7 +295,7 @@ class SpeculativeDecoder:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-        stops = [self.stop_condition(p) for p in params]
+        stops = [self.stop_condition(p, prompt) for p, prompt in zip(params, prompts)]
         results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
 
         batch, device = len(prompts), self.device

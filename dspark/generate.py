@@ -98,7 +98,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"python -m dspark.generate: {error}") from None
     if not prompt:
         raise SystemExit("python -m dspark.generate: the prompt encodes to no tokens")
-    stream = IncrementalDecoder(tokenizer, skip_special_tokens=True)  # what a server's client is sent
+    stream = IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)  # what a server's client is sent
 
     def show(_, tokens):
         sys.stdout.write("".join(stream.push(token) for token in tokens))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import gguf
 import jinja2
@@ -29,6 +29,8 @@ CHATML_TEMPLATE = (
 # Tokens that end a chat turn (ChatML, Llama 3). Generation stops on them when the template uses them,
 # even where the model's eos token is another one (e.g. <|endoftext|>).
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>")
+
+PROMPT_CONTEXT = 5  # prompt tokens an IncrementalDecoder reads before the first generated one (vLLM's 5)
 
 # Split regexes of HF's Llama 3 and Qwen2 tokenizer.json files; they differ only in how digits group.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -218,13 +220,20 @@ class IncrementalDecoder:
 
     A character whose UTF-8 bytes are split across tokens is held back until its last byte arrives,
     so no replacement character is emitted for it. The pieces returned by `push` and `flush` join to
-    `tokenizer.decode(ids)`.
+    the text the ids add to `prompt`'s: decode(prompt + ids) less decode(prompt), read at the
+    prompt's last PROMPT_CONTEXT tokens. Without a prompt, `tokenizer.decode(ids)`; with one, a
+    decoder that strips the leading space of a text (SentencePiece's, as Llama 2's and Mistral's)
+    keeps the first token's (" Paris", not "Paris"), as vLLM's detokenizer does.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False,
+                 prompt: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._context: list[int] = []  # tokens of the last emitted piece: decoders may look back at them
+        context = list(prompt[-PROMPT_CONTEXT:])
+        if self._decode(context).endswith("\ufffd"):  # a prompt ending inside a character: no prefix
+            context = []
+        self._context: list[int] = context  # tokens of the last emitted piece: decoders may look back at them
         self._pending: list[int] = []  # tokens not emitted yet
 
     def push(self, token_id: int) -> str:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
+from dspark.decoder import StopCondition
 from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.metrics import prometheus_text
@@ -32,6 +33,7 @@ from dspark.serve.server import Handler, Server, client_gone
 from dspark.serve import __main__ as serve_main
 from dspark.serving import build_decoder, compiled_step_options, speculative_config
 from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
+from test_tokenizer import sentencepiece_tokenizer
 
 
 def drain(engine: Engine, requests) -> None:
@@ -237,6 +239,17 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(default_tokeniz
         deltas.append(stream.delta(ids[:n], finished=n == len(ids)))
     assert "".join(deltas) == expected and "\ufffd" not in "".join(deltas)
     assert TextStream(tok, stop, {end_of_turn}).text(ids, finished=True) == expected
+
+
+def test_the_answer_text_and_its_stop_strings_read_on_from_the_prompt(tmp_path):
+    """With a SentencePiece tokenizer (Llama 2's), the answer to "The capital is" is " Paris.", not
+    "Paris.": both what the client is sent and the text the engine's stop strings are looked for in."""
+    sp = sentencepiece_tokenizer(tmp_path / "tokenizer.json")
+    prompt, answer = sp.encode("The capital is"), sp.encode("Paris.")
+    assert TextStream(sp, [], set(), prompt).text(answer, finished=True) == " Paris."
+    params = SamplingParams(stop=" Paris", max_tokens=8)
+    assert StopCondition(params, [], sp, prompt).finished(answer[:1]) == "stop"
+    assert StopCondition(params, [], sp).finished(answer[:1]) is None  # no prompt: no space
 
 
 def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads(default_tokenizer):

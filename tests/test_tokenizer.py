@@ -3,10 +3,11 @@ from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from dspark.loading import default_gguf_path
-from dspark.tokenizer import IncrementalDecoder, Tokenizer
+from dspark.tokenizer import PROMPT_CONTEXT, IncrementalDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,37 @@ def test_streaming_flush_emits_incomplete_character(tok):
     decoder = IncrementalDecoder(tok)
     assert decoder.push(lead_byte) == ""
     assert decoder.flush() == tok.decode([lead_byte]) == "\ufffd"
+
+
+def sentencepiece_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json in Llama 2's way: SentencePiece pieces, "▁" for a space, a space put before the
+    text and stripped from the start of a decoded one."""
+    pieces = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", "."]
+    backend = Backend(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=0, byte_fallback=False))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.save(str(path))
+    return Tokenizer.from_file(path)
+
+
+def test_streamed_text_after_a_prompt_keeps_the_space_a_sentencepiece_decode_strips(tmp_path):
+    """The text tokens add to a prompt, as vLLM's detokenizer gives it: " Paris.", which a decode of
+    the answer alone starts without its space."""
+    sp = sentencepiece_tokenizer(tmp_path / "tokenizer.json")
+    prompt, answer = sp.encode("The capital is"), sp.encode("Paris.")
+    assert sp.decode(prompt + answer) == "The capital is Paris." and len(answer) == 2
+    decoder = IncrementalDecoder(sp, prompt=[0] * PROMPT_CONTEXT + prompt)  # only the last few are read
+    assert "".join(decoder.push(t) for t in answer) + decoder.flush() == " Paris."
+    assert "".join(IncrementalDecoder(sp).push(t) for t in answer) == "Paris."
+
+
+def test_a_prompt_that_ends_inside_a_character_is_not_read(tok):
+    """中 is E4 B8 AD: a prompt ending in its first byte would take the character, and the answer's
+    text would lose its two bytes; the answer's text is then its own."""
+    prompt, answer = [tok.token_to_id("ä")], [tok.token_to_id("¸"), tok.token_to_id("Ń")]  # byte-level spellings
+    assert tok.decode(prompt + answer) == "中"
+    decoder = IncrementalDecoder(tok, prompt=prompt)
+    assert "".join(decoder.push(t) for t in answer) + decoder.flush() == tok.decode(answer) == "\ufffd\ufffd"
 
 
 def test_from_pretrained_round_trip(tok, tmp_path):

@@ -102,7 +102,7 @@ class Engine:
             params = dataclasses.replace(params, seed=random.SystemRandom().randrange(MAX_SEED))
         request = Request(list(prompt), params,
                           result=GenerationResult(accepted_per_position=[0] * self.decoder.k))
-        request.stop = self.decoder.stop_condition(params)
+        request.stop = self.decoder.stop_condition(params, prompt)
         with self.lock:
             if self.stopped.is_set():
                 raise EngineStopped("the engine has stopped")

@@ -177,9 +177,9 @@ class TextStream:
     ends a request at the first token whose text holds a stop string, so the first one found is
     where the text ends."""
 
-    def __init__(self, tokenizer, stop: list[str], stop_ids: set[int]):
+    def __init__(self, tokenizer, stop: list[str], stop_ids: set[int], prompt: list[int] = ()):
         self.stop, self.stop_ids = stop, stop_ids
-        self.pieces = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        self.pieces = IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
         self.keep = max((len(s) for s in stop), default=1) - 1  # characters a stop string may reach back
         self.decoded, self.seen, self.cut = "", 0, False  # the text so far, of tokens[:seen]
         self.sent = 0

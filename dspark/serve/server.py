@@ -254,7 +254,7 @@ class Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}", "server_error")
             return
         reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id, server.model_name)
-        text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids)
+        text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids, prompt)
         if body.get("stream"):
             self._stream(reply, request, text, len(prompt), include_usage)
         else:
