@@ -428,6 +428,7 @@ def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
     (b"chunked", b"0x2\r\n{}\r\n0\r\n\r\n", 400, b"malformed chunk size line"),
     (b"chunked", b"9\r\n{}", 400, b"shorter than its size"),
     (b"chunked", b"14\r\n" + b" " * 20 + b"\r\n0\r\n\r\n", 413, b"larger than 16 bytes"),
+    (b"chunked", b"2\r\n{}\r\n0\r\n" + b"X-A: 1\r\n" * 4 + b"\r\n", 413, b"larger than 16 bytes"),  # trailers
     (b"gzip, chunked", b"2\r\n{}\r\n0\r\n\r\n", 501, b"is not supported (only chunked)"),
 ])
 def test_a_bad_chunked_body_gets_an_error_that_says_why(server, monkeypatch, coding, framed, status, message):

@@ -154,7 +154,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _read_chunked(self) -> bytes:
         """A chunked body (RFC 9112 §7.1): hex sizes with optional extensions, each chunk followed by
-        CRLF, a zero size, then trailer lines (read and dropped) up to an empty line."""
+        CRLF, a zero size, then trailer lines (read and dropped, counted in the body's size) up to an
+        empty line."""
         body = bytearray()
         while True:
             line = self.rfile.readline(MAX_LINE_BYTES)
@@ -169,8 +170,9 @@ class Handler(BaseHTTPRequestHandler):
             if len(chunk) < size or self.rfile.read(2) != b"\r\n":
                 raise openai.BadRequest("a chunk is shorter than its size or does not end in CRLF")
             body += chunk
-        while self.rfile.readline(MAX_LINE_BYTES).strip():
-            pass
+        size = len(body)
+        while (line := self.rfile.readline(MAX_LINE_BYTES)).strip():
+            size = check_body_size(size + len(line))
         return bytes(body)
 
     # ------------------------------------------------------------------ routes
