@@ -139,6 +139,26 @@ def test_a_cancelled_request_leaves_its_slot():
     assert engine.stats.finished == {"abort": 2} and engine.stats.prompt_tokens == 2  # not prefilled
 
 
+def test_a_request_whose_client_left_while_it_waited_is_dropped_before_the_next_step():
+    """Not when a slot frees for it: its handler (a thread, and the client's socket) was held that long."""
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
+    gone.cancelled = True
+    step, seen = engine._step, []
+
+    def first_step_then_stop():
+        seen.append((gone.result.finish_reason, gone.events.queue[-1] if gone.events.qsize() else "no event",
+                     running.result.finished))
+        engine.shutdown()
+        step()
+
+    engine._step = first_step_then_stop
+    engine.run()
+    assert seen == [("abort", None, False)]
+
+
 # ---------------------------------------------------------------------------- HTTP
 
 

@@ -110,8 +110,8 @@ class Engine:
         return request
 
     def num_waiting(self) -> int:
-        """Requests queued for a slot whose client is still there (a cancelled one is dropped at
-        the next admission)."""
+        """Requests queued for a slot whose client is still there (a cancelled one is dropped before
+        the next step)."""
         with self.waiting.mutex:
             return sum(request is not None and not request.cancelled for request in self.waiting.queue)
 
@@ -130,6 +130,7 @@ class Engine:
             while not self.stopped.is_set():
                 self._admit(block=not any(self.slots))
                 if any(self.slots):
+                    self._drop_left()
                     self._step()
         except Exception as error:
             self._fail_pending(error)
@@ -186,6 +187,17 @@ class Engine:
         self._set_params()
         if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same
             runner.draft(self._bucket())                          # for the rows in flight
+
+    def _drop_left(self) -> None:
+        """Finishes, as aborted, the waiting requests whose client has left: their handlers are let go
+        now, not when a slot frees for them."""
+        with self.waiting.mutex:
+            left = [r for r in self.waiting.queue if r is not None and r.cancelled]
+            for request in left:
+                self.waiting.queue.remove(request)
+        for request in left:
+            request.result.finish_reason = "abort"
+            self._finish(request)
 
     def _bucket(self) -> int:
         """The step's batch: the smallest bucket that holds every row in use."""
