@@ -55,22 +55,28 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
-        """An HF `config.json`: a key it leaves out takes HF's default, not this class's test default
-        (a missing tie_word_embeddings once tied an untied model's LM head to its embeddings)."""
+        """An HF `config.json` (see _hf_defaults)."""
         d = dict(d)
         if "architecture" not in d:
             d["architecture"] = _architecture_of(d)
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
-        d.setdefault("tie_word_embeddings", False)
-        d.setdefault("rms_norm_eps", 1e-6)
-        if "num_attention_heads" in d:
-            d.setdefault("num_key_value_heads", d["num_attention_heads"])
-        _flatten_rope_parameters(d)
+        _hf_defaults(d)
         return cls(**_known_fields(cls, d))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _hf_defaults(d: dict[str, Any]) -> None:
+    """Gives the keys an HF `config.json` leaves out HF's defaults, not this module's test defaults
+    (a missing tie_word_embeddings once tied an untied model's LM head to its embeddings); refuses
+    an MLP other than SwiGLU."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
+    d.setdefault("tie_word_embeddings", False)
+    d.setdefault("rms_norm_eps", 1e-6)
+    if "num_attention_heads" in d:
+        d.setdefault("num_key_value_heads", d["num_attention_heads"])
+    _flatten_rope_parameters(d)
 
 
 def _flatten_rope_parameters(d: dict[str, Any]) -> None:
@@ -144,6 +150,8 @@ class DrafterConfig(TargetConfig):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        """A drafter's `config.json` in any of DeepSpec's, DFlash's or TRT-LLM's spellings (nested,
+        `dspark_`-prefixed, _DRAFTER_ALIASES), with HF's defaults for what it leaves out."""
         flat = dict(d)
         for nested in ("dflash_config", "dspark_config"):
             flat.update(d.get(nested) or {})
@@ -154,7 +162,7 @@ class DrafterConfig(TargetConfig):
             if alias in flat:
                 flat.setdefault(name, flat[alias])
         flat.setdefault("architecture", "qwen3")
-        _flatten_rope_parameters(flat)
+        _hf_defaults(flat)
         return cls(**_known_fields(cls, flat))
 
     @classmethod

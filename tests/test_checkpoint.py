@@ -61,6 +61,21 @@ def test_round_trip_sharing_the_targets_embeddings(tmp_path):
     assert_same_outputs(loaded, drafter)
 
 
+def test_a_config_without_a_key_takes_hfs_default_as_a_targets_does(tmp_path):
+    """No rms_norm_eps: 1e-6; no num_key_value_heads: as many as the attention heads (the class's
+    test defaults, 1e-5 and 2, were taken)."""
+    target = make_target()
+    drafter = make_drafter(target, rms_norm_eps=1e-6, num_key_value_heads=4)
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rms_norm_eps", "num_key_value_heads"):
+        del config[key]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config == drafter.config
+    assert_same_outputs(loaded, drafter)
+
+
 def test_the_config_names_deepspecs_model_class(tmp_path):
     save_drafter(make_drafter(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -74,6 +74,16 @@ def test_hf_folder_loads_to_the_same_logits(tmp_path, architecture, tied, shards
     torch.testing.assert_close(logits_of(loaded), logits_of(model), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_attention_bias_gives_every_attention_projection_a_bias_as_in_hf(tmp_path, architecture):
+    """HF's Llama and Qwen3 give o_proj a bias too when attention_bias is set: such a folder was refused
+    for an unexpected o_proj.bias."""
+    model = make_model(architecture, attention_bias=True)
+    assert {f"model.layers.1.self_attn.{p}_proj.bias" for p in "qkvo"} <= set(hf_state_dict(model))
+    save_hf(model, tmp_path / "m")
+    torch.testing.assert_close(logits_of(load_target(tmp_path / "m")), logits_of(model), atol=0, rtol=0)
+
+
 def test_hf_folder_in_bfloat16_loads_in_the_requested_dtype(tmp_path):
     model = make_model()
     save_hf(model, tmp_path / "m", dtype=torch.bfloat16)
