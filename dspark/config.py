@@ -43,6 +43,16 @@ class TargetConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r} (supported: llama3)")
+        if self.rope_type == "llama3" and "factor" not in self.rope_scaling:
+            raise ValueError(f"rope_scaling {self.rope_scaling} of type llama3 needs a 'factor'")
+
+    @property
+    def rope_type(self) -> str:
+        """The rope_scaling type ("rope_type", or older configs' "type"); "default" without one."""
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type")) or "default"
 
     @property
     def qk_norm(self) -> bool:

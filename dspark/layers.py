@@ -45,12 +45,9 @@ def rope_inv_freq(config: TargetConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], with Llama 3's frequency-dependent scaling if configured."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
+    if config.rope_type == "default":
         return inv_freq.float()
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    scaling = config.rope_scaling  # llama3's (the config refuses other types)
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling.get("original_max_position_embeddings", 8192)

@@ -120,7 +120,10 @@ def test_an_hf_config_without_a_key_takes_hfs_default(tmp_path):
                                            ({"model_type": None, "architectures": ["GPT2LMHeadModel"]},
                                             "GPT2LMHeadModel"),
                                            ({"model_type": None, "architectures": ["Qwen2ForCausalLM"]},
-                                            "Qwen2ForCausalLM")])
+                                            "Qwen2ForCausalLM"),
+                                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                                            "unsupported rope_scaling type 'yarn'"),
+                                           ({"rope_scaling": {"rope_type": "llama3"}}, "needs a 'factor'")])
 def test_an_hf_config_of_a_model_dspark_does_not_run_is_refused(tmp_path, change, words):
     save_hf(make_model(), tmp_path / "m")
     config = {**json.loads((tmp_path / "m" / "config.json").read_text()), **change}
