@@ -18,7 +18,7 @@ from dspark.config import ARCHITECTURES, TargetConfig
 from dspark.layers import rope_inv_freq
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer
-from dspark.weights import StoredTensors, read_safetensors, read_state
+from dspark.weights import StoredTensors, gguf_reader, read_safetensors, read_state
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it by dspark.train
@@ -50,7 +50,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
         config, tensors = _read_hf_folder(path)
         source_name = _hf_name
     elif path.is_file() and path.suffix == ".gguf":
-        config, tensors = _read_gguf(path, _gguf_reader(path))
+        config, tensors = _read_gguf(path, gguf_reader(path))
         source_name = _gguf_name
     else:
         raise FileNotFoundError(f"{path}: no such model folder or .gguf file")
@@ -77,7 +77,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such .gguf file")
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     config, tensors = _read_gguf(path, reader)
     return _build(config, tensors, _gguf_name, path, dtype, torch.device(device)), Tokenizer.from_gguf(path, reader)
 
@@ -128,13 +128,6 @@ def _read_hf_folder(folder: Path) -> tuple[TargetConfig, StoredTensors]:
 
 
 # ---- GGUF files ----
-
-def _gguf_reader(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except ValueError as e:  # the gguf package's "GGUF magic invalid" names no file
-        raise ValueError(f"{path}: not a GGUF file ({e})") from None
-
 
 _GGUF_LAYER_MODULES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

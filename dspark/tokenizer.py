@@ -18,6 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
+from dspark.weights import gguf_reader
+
 # HF's old default template, used when a model ships none.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -109,7 +111,7 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        meta = _gguf_tokenizer_fields(reader or gguf.GGUFReader(path))
+        meta = _gguf_tokenizer_fields(reader or gguf_reader(path))
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"{path}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
@@ -144,7 +146,10 @@ class Tokenizer:
         tokenizer_json = Path(tokenizer_json)
         if not tokenizer_json.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_json}")
-        backend = Backend.from_file(str(tokenizer_json))
+        try:
+            backend = Backend.from_file(str(tokenizer_json))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception, naming no file
+            raise ValueError(f"{tokenizer_json}: not a tokenizer file ({e})") from None
         config = config or {}
 
         def token_id(key: str) -> int | None:
@@ -164,7 +169,10 @@ class Tokenizer:
         """An HF model folder: tokenizer.json, plus tokenizer_config.json and chat_template.jinja if present."""
         hf_dir = Path(hf_dir)
         config_path, template_path = hf_dir / "tokenizer_config.json", hf_dir / "chat_template.jinja"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except ValueError as e:
+            raise ValueError(f"{config_path}: not valid JSON ({e})") from None
         if template_path.is_file():
             config["chat_template"] = template_path.read_text()
         return cls.from_file(hf_dir / "tokenizer.json", config)

@@ -7,11 +7,20 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import torch
 from safetensors import SafetensorError, safe_open
 
 # A checkpoint's tensors: stored name -> (the file it is in, for messages; function that reads it).
 StoredTensors = dict[str, tuple[str | Path, Callable[[], torch.Tensor]]]
+
+
+def gguf_reader(path: Path) -> gguf.GGUFReader:
+    """The parsed GGUF file; a ValueError naming `path` if it is none."""
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:  # the gguf package's "GGUF magic invalid" names no file
+        raise ValueError(f"{path}: not a GGUF file ({e})") from None
 
 
 def read_state(shapes: dict[str, torch.Size], stored: StoredTensors, where: str | Path,

@@ -159,6 +159,21 @@ def test_a_prompt_that_ends_inside_a_character_is_not_read(tok):
     assert "".join(decoder.push(t) for t in answer) + decoder.flush() == tok.decode(answer) == "\ufffd\ufffd"
 
 
+def test_a_file_that_is_no_tokenizer_is_named(tok, tmp_path):
+    """Each once raised the parser's own error, naming no file (a bare Exception from tokenizers)."""
+    for name, load, words in [("model.gguf", Tokenizer.from_gguf, "not a GGUF file"),
+                              ("tokenizer.json", Tokenizer.from_file, "not a tokenizer file")]:
+        (tmp_path / name).write_bytes(b"{broken")
+        with pytest.raises(ValueError, match=f"{name}: {words}"):
+            load(tmp_path / name)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
+        Tokenizer.from_pretrained(folder)
+
+
 def test_from_pretrained_round_trip(tok, tmp_path):
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     config = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}, "pad_token": "<|im_end|>",
