@@ -69,6 +69,10 @@ class TargetConfig:
         d = dict(d)
         if "architecture" not in d:
             d["architecture"] = _architecture_of(d)
+        windowed = d.get("use_sliding_window") and d.get("sliding_window")
+        if windowed or "sliding_attention" in (d.get("layer_types") or ()):
+            raise ValueError("sliding-window attention is not supported for a target (it would run as full "
+                             "attention and differ past the window)")
         _hf_defaults(d)
         return cls(**_known_fields(cls, d))
 

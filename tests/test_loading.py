@@ -123,7 +123,10 @@ def test_an_hf_config_without_a_key_takes_hfs_default(tmp_path):
                                             "Qwen2ForCausalLM"),
                                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                                             "unsupported rope_scaling type 'yarn'"),
-                                           ({"rope_scaling": {"rope_type": "llama3"}}, "needs a 'factor'")])
+                                           ({"rope_scaling": {"rope_type": "llama3"}}, "needs a 'factor'"),
+                                           ({"use_sliding_window": True, "sliding_window": 32}, "sliding-window"),
+                                           ({"layer_types": ["sliding_attention", "full_attention"]},
+                                            "sliding-window")])
 def test_an_hf_config_of_a_model_dspark_does_not_run_is_refused(tmp_path, change, words):
     save_hf(make_model(), tmp_path / "m")
     config = {**json.loads((tmp_path / "m" / "config.json").read_text()), **change}
