@@ -134,5 +134,7 @@ def _check_fits_target(config: DrafterConfig, target: TargetConfig) -> None:
 
 
 def _read_tensors(folder: Path) -> StoredTensors:
-    """Drafter tensor name (DFlash aliases resolved) -> (file, function that reads it)."""
-    return read_safetensors(folder, rename=lambda source: _TENSOR_ALIASES.get(source, source))
+    """Drafter tensor name (DFlash aliases resolved) -> (file, function that reads it). A stored
+    mask_embedding is left out, as vLLM's DSpark loader leaves it: the mask slots embed mask_token_id."""
+    tensors = read_safetensors(folder, rename=lambda source: _TENSOR_ALIASES.get(source, source))
+    return {name: stored for name, stored in tensors.items() if "mask_embedding" not in name}

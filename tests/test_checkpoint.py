@@ -193,6 +193,14 @@ def test_unexpected_tensor_is_named_with_its_file(tmp_path):
         load_drafter(tmp_path, make_target())
 
 
+def test_a_stored_mask_embedding_is_left_out_as_vllm_leaves_it(tmp_path):
+    target = make_target()
+    drafter = make_drafter(target)
+    save_drafter(drafter, tmp_path)
+    edit_tensors(tmp_path, lambda t: t.update({"mask_embedding": torch.ones(1, 32)}))
+    assert_same_outputs(load_drafter(tmp_path, target), drafter)
+
+
 def test_misshapen_tensor_is_named_with_its_file(tmp_path):
     save_drafter(make_drafter(), tmp_path)
     edit_tensors(tmp_path, lambda t: t.update({"fc.weight": torch.zeros(32, 96)}))
