@@ -4,8 +4,9 @@ markov_head.*, confidence_head.proj.*). DFlash-format DSpark drafts name the hea
 `markov_w1.weight`, `markov_w2.weight` and `confidence_proj.*` at top level; those load too.
 
 A checkpoint without embed_tokens / lm_head (z-lab style) shares the target's. Loading is strict:
-a missing, unexpected or misshapen tensor, or a config that does not fit the target, raises an error
-naming the file and the tensor or key.
+a missing, unexpected (a stored mask_embedding aside, which vLLM's loader ignores too) or misshapen
+tensor, or a config that does not fit the target, raises an error naming the file and the tensor or
+key.
 """
 from __future__ import annotations
 
