@@ -1,5 +1,6 @@
 """Strict reading of stored tensors into a state dict, shared by the target's and the drafter's
-loaders: a missing, unexpected or misshapen tensor raises an error naming the file and the tensor."""
+loaders: a missing, unexpected or misshapen tensor raises an error naming the file and the tensor.
+Also the parse of a GGUF file, which the target's and the tokenizer's loaders share."""
 from __future__ import annotations
 
 import json
