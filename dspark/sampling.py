@@ -109,9 +109,9 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
     logits: [B, N, V] float32 (N positions per request, not yet divided by T); the other arguments
     are [B]. The filters act on softmax(logits / T) in vLLM's order: min-p (keep p >= min_p * p_max)
-    and top-k, then top-p over what they kept, renormalised (keep the smallest most-likely set
-    whose mass reaches top_p). Rows whose parameters are neutral, and greedy rows, come back
-    unchanged. Sort-based, static shapes, no host sync.
+    and top-k (the k most likely and the tokens tied with the k-th), then top-p over what they kept,
+    renormalised (keep the smallest most-likely set whose mass reaches top_p). Rows whose parameters
+    are neutral, and greedy rows, come back unchanged. Sort-based, static shapes, no host sync.
     """
     B, N, V = logits.shape
     greedy = temperature == 0
@@ -121,8 +121,9 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     probs = sorted_logits.softmax(dim=-1)
 
     rank = torch.arange(V, device=logits.device)
-    k = torch.where(top_k > 0, top_k, V).view(B, 1, 1)
-    keep = (rank < k) & (probs >= min_p.view(B, 1, 1) * probs[..., :1])
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V).view(B, 1, 1)
+    kth = sorted_logits.gather(-1, (k - 1).expand(B, N, 1))  # tokens tied with the k-th stay, as in vLLM
+    keep = (sorted_logits >= kth) & (probs >= min_p.view(B, 1, 1) * probs[..., :1])
     kept = torch.where(keep, probs, 0.0)
     mass_before = kept.cumsum(dim=-1) - kept
     p = top_p.view(B, 1, 1)

@@ -58,8 +58,8 @@ def reference_kept(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    kept = [v for rank, v in enumerate(order)
-            if (top_k == 0 or rank < top_k) and probs[v] >= min_p * probs[order[0]]]
+    kth = probs[order[min(top_k, len(order)) - 1]] if top_k else 0.0  # tokens tied with the k-th stay
+    kept = [v for v in order if probs[v] >= kth and probs[v] >= min_p * probs[order[0]]]
     mass = probs[kept] / probs[kept].sum()
     before = np.cumsum(mass) - mass
     return {v for v, m in zip(kept, before) if top_p >= 1 or m < top_p}
@@ -84,6 +84,15 @@ def test_filters_keep_exactly_the_reference_sets():
             assert torch.equal(filtered[b, i][kept], logits[b, i][kept])
             sizes.append(len(expected))
     assert min(sizes) < 5 and max(sizes) == V  # the cases cover heavy filtering and none
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_vllm_does():
+    """Which of two tied tokens a sort puts first is no rule (it may differ by device); vLLM keeps both."""
+    logits = torch.tensor([[[1.0, 3.0, 1.0, 0.0, 3.0]]])
+    one = torch.tensor([1.0])
+    for k, kept in [(1, [1, 4]), (2, [1, 4]), (3, [0, 1, 2, 4]), (9, [0, 1, 2, 3, 4])]:
+        filtered = apply_filters(logits, one, torch.tensor([k]), one, torch.tensor([0.0]))
+        assert torch.isfinite(filtered[0, 0]).nonzero().flatten().tolist() == kept, k
 
 
 def test_neutral_temperature_only_and_greedy_rows_are_unchanged():
