@@ -84,7 +84,10 @@ def load_models(args):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    target, drafter, tokenizer = load_models(args)
+    try:
+        target, drafter, tokenizer = load_models(args)
+    except (OSError, ValueError) as error:  # a model file that is not there, or not one
+        raise SystemExit(f"python -m dspark.generate: {error}") from None
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.prompt}]
@@ -105,7 +108,10 @@ def main(argv=None) -> None:
         sys.stdout.flush()
 
     began = time.perf_counter()
-    result = decoder.generate([prompt], args.params, on_tokens=show)[0]
+    try:
+        result = decoder.generate([prompt], args.params, on_tokens=show)[0]
+    except ValueError as error:  # checked before the first token: the prompt and max_tokens past the model's length
+        raise SystemExit(f"python -m dspark.generate: {error}") from None
     seconds = time.perf_counter() - began
     sys.stdout.write(stream.flush() + "\n")
     per_step = (len(result.tokens) - 1) / max(result.num_steps, 1)  # the first token comes from the prefill

@@ -65,12 +65,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_decoder(args: argparse.Namespace, compile: bool):
     """The decoder the options describe -> (decoder, tokenizer); `compile`: torch.compile its
-    step. Sets args.max_model_len where it was left to the default."""
+    step. Sets args.max_model_len where it was left to the default. A ValueError or OSError names
+    the option (or file) that is wrong."""
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = speculative_config(args.speculative_config)
     args.drafter = spec.get("model")  # None: the default model's drafter (none with --model); "none": none
     target, drafter, tokenizer = load_models(args)
+    longest = target.config.max_position_embeddings
     if args.max_model_len is None:
-        args.max_model_len = min(DEFAULT_MAX_MODEL_LEN, target.config.max_position_embeddings)
+        args.max_model_len = min(DEFAULT_MAX_MODEL_LEN, longest)
+    if not 1 <= args.max_model_len <= longest:
+        raise ValueError(f"--max-model-len must be in [1, {longest}] for this model, got {args.max_model_len}")
     decoder = SpeculativeDecoder(
         target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),
         max_draft_len=spec.get("max_draft_len"),

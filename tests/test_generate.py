@@ -30,3 +30,15 @@ def test_speculation_without_a_drafter_exits_naming_it(default_tokenizer, tmp_pa
     with pytest.raises(SystemExit, match="num_speculative_tokens=3 needs a drafter"):
         generate.main(["--model", str(tmp_path), "--drafter", "none", "-k", "3", "--prompt", "hi",
                        "--device", "cpu", "--dtype", "float32"])
+
+
+def test_a_missing_model_and_a_completion_past_the_models_length_exit_naming_them(default_tokenizer, tmp_path):
+    """Each once ended in a traceback."""
+    from test_loading import make_model, save_hf
+    save_hf(make_model(max_position_embeddings=64, vocab_size=default_tokenizer.vocab_size), tmp_path)
+    default_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    given = ["--drafter", "none", "--prompt", "hi", "--device", "cpu", "--dtype", "float32"]
+    with pytest.raises(SystemExit, match="python -m dspark.generate: .*absent: no such model folder"):
+        generate.main(["--model", str(tmp_path / "absent"), *given])
+    with pytest.raises(SystemExit, match="python -m dspark.generate: .*exceeds"):
+        generate.main(["--model", str(tmp_path), "--max-tokens", "100", *given])

@@ -712,6 +712,21 @@ def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(default_tok
         assert args.max_model_len == want
 
 
+def test_bad_server_options_exit_naming_them(default_tokenizer, tmp_path):
+    """Each once ended in a traceback, from the decoder's or the engine's build."""
+    from test_loading import make_model, save_hf
+    save_hf(make_model(max_position_embeddings=512), tmp_path)
+    default_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    given = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--port", "0"]
+    for options, words in [(["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+                           (["--max-model-len", "513"], r"--max-model-len must be in \[1, 512\] for this model"),
+                           (["--speculative-config", '{"num_speculative_tokens": 3}'],
+                            "num_speculative_tokens=3 needs a drafter"),
+                           (["--model", str(tmp_path / "absent")], "absent: no such model folder")]:
+        with pytest.raises(SystemExit, match=f"python -m dspark.serve: .*{words}"):
+            serve_main.main([*given, *options])
+
+
 def test_a_compile_cache_for_other_options_stops_the_server_naming_them(default_tokenizer, tmp_path):
     """A warm-up's cache records the server options its step was compiled for; a server started
     with others exits naming the option (it used to load the file and compile everything again)."""

@@ -63,7 +63,10 @@ def main(argv=None) -> None:
     p.add_argument("--compile-cache", type=Path, required=True, help="the file to write")
     add_model_args(p)
     args = p.parse_args(argv)
-    decoder, _ = build_decoder(args, compile=True)
+    try:
+        decoder, _ = build_decoder(args, compile=True)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"python -m dspark.compile.warmup: {error}") from None
     runner = StepRunner(decoder, args.max_batch, args.max_model_len)
     began = time.perf_counter()
     for name, batch, seconds in warm_up(runner):

@@ -44,7 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     compile = args.compile or args.compile_cache is not None
-    decoder, tokenizer = build_decoder(args, compile)
+    try:
+        decoder, tokenizer = build_decoder(args, compile)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"python -m dspark.serve: {error}") from None
     if args.compile_cache is not None:
         try:
             load_compile_cache(args.compile_cache, decoder.device, compiled_step_options(args, decoder))
