@@ -247,7 +247,8 @@ def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
 @pytest.mark.parametrize("flag, value", [("--grad-clip", "-1"), ("--grad-clip", "0"), ("--decay-gamma", "0"),
                                          ("--lr", "-1e-3"), ("--warmup", "5"), ("--kl-weight", "-0.1"),
                                          ("--tv-weight", "nan"), ("--followup-anchors", "2"), ("--time-budget-s", "0"),
-                                         ("--time-budget-s", "inf"), ("--max-prompt-tokens", "0"), ("--synthetic-max-tokens", "0")])
+                                         ("--time-budget-s", "inf"), ("--max-prompt-tokens", "0"),
+                                         ("--synthetic-max-tokens", "0")])
 def test_the_command_line_refuses_a_recipe_that_trains_garbage(flag, value, capsys):
     """A negative clip norm ascended the gradient, gamma 0 made the loss NaN, warmup 5 kept the
     rate at a fifth of its peak: each ran without a word, after minutes of generation."""
