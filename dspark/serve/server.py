@@ -125,10 +125,15 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 body_length(self.headers.get_all("Content-Length"))
             except openai.BadRequest as error:
-                self.close_connection = True
-                self._send(error.status, error.body())
+                self._refuse(error)
                 return False
         return super().handle_expect_100()
+
+    def _refuse(self, error: openai.BadRequest) -> None:
+        """Answers a request the server will not serve; its body may be unread (no length, or too
+        large a one), so the connection closes."""
+        self.close_connection = True
+        self._send(error.status, error.body())
 
     def _has_body(self) -> bool:
         return "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0") != "0"
@@ -179,11 +184,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         server, path = self.server, self.path.split("?")[0]
-        if self._has_body():  # not read: the connection cannot go on after it
-            self.close_connection = True
         if path not in GET_ROUTES:
             self._wrong_route(path)
             return
+        if self._has_body():  # not read: the connection cannot go on after it
+            self.close_connection = True
         if path == "/health":
             alive = server.engine_thread.is_alive()
             self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,
@@ -238,8 +243,7 @@ class Handler(BaseHTTPRequestHandler):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             request = server.engine.submit(prompt, params)
         except openai.BadRequest as error:
-            self.close_connection = True  # the body may be unread (no or too large a length)
-            self._send(error.status, error.body())
+            self._refuse(error)
             return
         except ValueError as error:  # the engine's checks: lengths, token ids
             self._error(HTTPStatus.BAD_REQUEST, str(error))
