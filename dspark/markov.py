@@ -45,9 +45,12 @@ class VanillaMarkov(nn.Module):
         return self.markov_w2(v), state
 
     def forward(self, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
-        """Teacher-forced bias of whole blocks: prev_tokens [N, K], hidden [N, K, d] -> [N, K, V].
-        A stateless head scores every position at once."""
-        return self.bias(self.markov_w1(prev_tokens), hidden, None)[0]
+        """Teacher-forced bias of whole blocks: prev_tokens [N, K], hidden [N, K, d] -> [N, K, V]."""
+        return self.markov_w2(self.block_low_rank(prev_tokens, hidden))
+
+    def block_low_rank(self, prev_tokens: Tensor, hidden: Tensor | None) -> Tensor:
+        """forward's rank-r vectors [N, K, r]: a stateless head's at every position at once."""
+        return self.low_rank(self.markov_w1(prev_tokens), hidden, None)[0]
 
 
 class GatedMarkov(VanillaMarkov):
@@ -75,15 +78,15 @@ class RNNMarkov(VanillaMarkov):
         state = gate * state + (1 - gate) * torch.tanh(candidate)
         return torch.tanh(out), state
 
-    def forward(self, prev_tokens, hidden):
-        """Unrolls the state over each block, as drafting does."""
+    def block_low_rank(self, prev_tokens, hidden):
+        """Unrolls the state over each block, as drafting does; W2 then applies once to all K."""
         embeddings = self.markov_w1(prev_tokens)
         state = self.initial_state(prev_tokens.shape[0])
-        biases = []
+        vectors = []
         for k in range(prev_tokens.shape[1]):
-            bias, state = self.bias(embeddings[:, k], hidden[:, k], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=1)
+            v, state = self.low_rank(embeddings[:, k], hidden[:, k], state)
+            vectors.append(v)
+        return torch.stack(vectors, dim=1)
 
 
 def build_markov_head(config: DrafterConfig) -> VanillaMarkov | None:
