@@ -1,8 +1,8 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
     python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 14000 --fit-steps \
-        --argmax-weight 0.3 --kl-weight 0.3 --synthetic-prompts 17500 --responses-per-prompt 4 \
-        --time-budget-s 1190              # the shipped drafter's run (20 minutes; its step-13,000 save)
+        --argmax-weight 0.3 --kl-weight 1.0 --markov-head-type rnn --synthetic-prompts 17500 \
+        --responses-per-prompt 4 --time-budget-s 1190     # the shipped drafter's run (20 minutes)
     python -m dspark.train --out runs/smollm2 ... --steps FITTED --resume   # a cut run: its flags, and
                                                   # the fitted total from log.jsonl for --steps
     python -m dspark.train --out /tmp/smoke --smoke          # a few CPU steps on tiny data
@@ -53,6 +53,7 @@ batches without a Markov head, to measure what the head adds).
 Default drafter (37.1 MB in bf16): 3 layers of the target's shapes (d 576, 9 heads, 3 KV heads,
 SwiGLU 1536), block size 7, target layers [1, 8, 14, 20, 27] of 30, Markov rank 64 (2 x 49152 x 64
 = 6.3M of its 18.6M parameters), a confidence head over [h ; W1[prev]], mask token <empty_output> (16).
+The shipped drafter has the rnn Markov head (--markov-head-type rnn: 0.14M parameters more, 37.4 MB).
 """
 from __future__ import annotations
 
