@@ -2,8 +2,11 @@
 shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, with
 the whole step's forward compiled (the target's and each drafter's, loss included), and the last
 with length-bucketed batches (`dspark.train.BatchOrder`, --bucket-batches 16) instead of batches
-of random sequences; and the compiled step with the baseline target of commit d088ec2 (`MaskedTarget`:
-a dense causal mask in the training forward, float32 logits at the slots).
+of random sequences; the compiled step with the target's forward over the whole batch at once (not
+in chunks of TrainConfig.target_chunk_rows rows, each cut to its length), and that with the loss over
+the vocabulary as Inductor compiled its formulas before dspark::distill_loss (commit 7c07aee's step);
+and that with the baseline target of commit d088ec2 (`MaskedTarget`: a dense causal mask in the
+training forward, float32 logits at the slots).
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
 weights), the default drafter and its rank-0 twin (--no-rank0-twin: the drafter alone), sequences
@@ -30,6 +33,7 @@ import json
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 from torch._dynamo.utils import counters
 
@@ -37,7 +41,10 @@ from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.loading import measuring_dtype
 from dspark.target import TargetModel, grouped_mask
-from dspark.train import BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students, train_step
+from dspark.ops.distill_loss import distill_terms
+import dspark.train.step
+from dspark.train import (BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students, slot_losses,
+                          train_step)
 from engine_step import SMOLLM2
 from timing import emit_table, print_profile
 
@@ -58,10 +65,31 @@ class MaskedTarget(TargetModel):
         return super().forward(*args, **{**kwargs, "logits_dtype": torch.float32})
 
 
-# (name, what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig.bucket_batches, target class)
-VARIANTS = {"eager": ("none", 1, TargetModel), "compiled loss": ("loss", 1, TargetModel),
-            "compiled step": ("all", 1, TargetModel), "compiled step, length buckets": ("all", 16, TargetModel),
-            "compiled step, masked target (d088ec2)": ("all", 1, MaskedTarget)}
+def inductor_slot_losses(logits, bias, confidence, labels, target_logits, ce_weight, tv_weight, confidence_weight,
+                         argmax_weight=0.0, kl_weight=0.0):
+    """dspark.train.slot_losses as it was before dspark::distill_loss: the formulas over the
+    vocabulary differentiated by autograd (compiled with the step, Inductor's fused kernels)."""
+    vocab = logits.shape[-1]
+    flat = [None if t is None else t.reshape(-1, vocab) for t in (logits, bias, target_logits)]
+    terms = distill_terms(*flat, labels.reshape(-1), ce_weight, tv_weight, argmax_weight, kl_weight)
+    z = logits.float() if bias is None else logits.float() + bias.float()
+    tv = 0.5 * (z.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
+    accept = (1 - tv.detach()).clamp_min(0.0)
+    terms = terms.view(labels.shape) + confidence_weight * F.binary_cross_entropy_with_logits(
+        confidence.float(), accept, reduction="none")
+    return terms, accept, (z.argmax(-1) == target_logits.argmax(-1)).float()
+
+
+# name -> (what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig fields, target class, the
+# per-slot loss: dspark.train.slot_losses unless given)
+ONE_FORWARD = {"target_chunk_rows": 1 << 20}  # the target's forward over the whole batch at once
+VARIANTS = {"eager": ("none", {}, TargetModel, None), "compiled loss": ("loss", {}, TargetModel, None),
+            "compiled step": ("all", {}, TargetModel, None),
+            "compiled step, length buckets": ("all", {"bucket_batches": 16}, TargetModel, None),
+            "compiled step, one target forward": ("all", ONE_FORWARD, TargetModel, None),
+            "compiled step, one target forward, Inductor loss (7c07aee)": ("all", ONE_FORWARD, TargetModel,
+                                                                          inductor_slot_losses),
+            "compiled step, masked target (d088ec2)": ("all", ONE_FORWARD, MaskedTarget, inductor_slot_losses)}
 
 
 def drawn_lengths(count: int, prompt_len: int, response_len: int) -> list[tuple[int, int]]:
@@ -146,13 +174,14 @@ def main():
         lengths = data_lengths(args.lengths_from) if args.lengths_from else drawn_lengths(count, *shapes)
         sequences = random_sequences(lengths, config.vocab_size)
         for name in args.variants:
-            compile, bucket_batches, target_class = VARIANTS[name]
+            compile, fields, target_class, losses = VARIANTS[name]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            variant_recipe = dataclasses.replace(recipe, bucket_batches=bucket_batches)
+            variant_recipe = dataclasses.replace(recipe, **fields)
             runs[name] = step_runner(targets[target_class], sequences, variant_recipe, compile, device,
                                      args.rank0_twin)
             graphs = counters["stats"]["unique_graphs"]
+            dspark.train.step.slot_losses = losses or slot_losses  # what train_step's loss calls (a global)
             rate = steps_per_second(runs[name], steps, warmup, device)
             graphs = counters["stats"]["unique_graphs"] - graphs
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -170,6 +199,7 @@ def main():
                 "|---|---|---|---|---|---|---|", *rows], args.out)
     for name, run in runs.items() if args.profile else ():
         print(f"\n{name}, batch size {batch_sizes[-1]}:")
+        dspark.train.step.slot_losses = VARIANTS[name][3] or slot_losses
         print_profile([functools.partial(run, step) for step in range(warmup + steps, warmup + steps + args.profile)],
                       device)
 

@@ -1,4 +1,4 @@
-"""The ops' kernels (drafting, verification, LSE merge) compile for the H200 (sm_90) as the ops
+"""The ops' kernels (drafting, verification, LSE merge, the training loss) compile for the H200 (sm_90) as the ops
 launch them there, on the CPU: the launchers run with a LaunchRecorder and meta tensors at the
 benchmarks' shapes (V = 200064, rank 256, K = 7) and every recorded launch is compiled. The
 interpreter tests run the kernels' logic but not the compiler (a branch that retyped a variable ran
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark.ops.aot import LaunchRecorder
+from dspark.ops.distill_loss import launch_distill_loss
 from dspark.ops.gumbel_max import GROUP_SIZE, launch_gumbel_pick, launch_step, num_units, step_tiles
 from dspark.ops.lse_merge import launch_lse_merge
 from dspark.ops.verify import launch_verify
@@ -65,4 +66,15 @@ def test_lse_merge_kernel_compiles_for_sm90():
     recorder = LaunchRecorder()
     o1, o2, o = (meta(n, heads, dim, dtype=torch.bfloat16) for _ in range(3))
     launch_lse_merge(recorder, o1, meta(n, heads), o2, meta(n, heads), o, meta(n, heads))
+    assert all(kernel.asm["cubin"] for kernel in recorder.compile_all())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_distill_loss_kernel_compiles_for_sm90(with_bias):
+    """The training step's shapes: 64 x 64 blocks of 7 slots over SmolLM2's vocabulary, bfloat16."""
+    rows, vocab = 64 * 64 * 7, 49152
+    logits, bias, target_logits, grad = (meta(rows, vocab, dtype=torch.bfloat16) for _ in range(4))
+    recorder = LaunchRecorder()
+    launch_distill_loss(recorder, logits, bias if with_bias else None, target_logits, meta(rows, dtype=torch.int64),
+                        (0.1, 0.9, 0.3, 1.0), meta(rows), meta(rows), meta(rows), grad)
     assert all(kernel.asm["cubin"] for kernel in recorder.compile_all())

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import dspark.ops.distill_loss  # noqa: F401  (registers torch.ops.dspark.distill_loss)
 from dspark.config import DrafterConfig
 from dspark.drafter import DSparkDrafter
 from dspark.target import TargetModel
@@ -58,27 +59,21 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     """DeepSpec's loss of every slot, unweighted: ce_weight CE + tv_weight TV + confidence_weight
     BCE(confidence, 1 - TV), plus argmax_weight CE against the target's argmax and kl_weight
     KL(target || draft); the acceptance estimate 1 - TV (T = 1) and the argmax agreement (T = 0).
-    One function of tensors, so that torch.compile fuses its passes over the vocabulary (compiled
-    alone with --compile loss, inside dspark_loss with the GPU's default, all).
+    The terms over the vocabulary are dspark::distill_loss (one Triton kernel on CUDA, with their
+    gradient); a function of tensors, so that torch.compile takes it whole (alone with --compile
+    loss, inside dspark_loss with the GPU's default, all).
 
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
     confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
     logits at each slot's position)
     -> terms, accept, agree [B, N, K] float32
     """
-    logits = logits.float() if bias is None else logits.float() + bias.float()
-    log_q = logits.log_softmax(-1)
-    target_probs = target_logits.float().softmax(-1)  # T = 1
-    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
-    tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
-    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
-    target_argmax = target_probs.argmax(-1, keepdim=True)
-    agree = (logits.detach().argmax(-1, keepdim=True) == target_argmax).squeeze(-1).float()
-    terms = ce_weight * ce + tv_weight * tv
-    if argmax_weight:
-        terms = terms + argmax_weight * -log_q.gather(-1, target_argmax).squeeze(-1)
-    if kl_weight:
-        terms = terms + kl_weight * (target_probs * (target_logits.float().log_softmax(-1) - log_q)).sum(-1)
+    vocab = logits.shape[-1]
+    terms, tv, agree, _ = torch.ops.dspark.distill_loss(
+        logits.reshape(-1, vocab), None if bias is None else bias.reshape(-1, vocab),
+        target_logits.reshape(-1, vocab), labels.reshape(-1), ce_weight, tv_weight, argmax_weight, kl_weight)
+    terms, tv, agree = (t.view(labels.shape) for t in (terms, tv, agree))
+    accept = (1 - tv).clamp_min(0.0)  # TV can exceed 1 by a rounding error
     if confidence is not None:
         terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
             confidence.float(), accept, reduction="none")

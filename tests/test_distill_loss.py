@@ -1,0 +1,105 @@
+"""dspark::distill_loss: its terms, agreement and closed-form gradient against autograd of the plain
+formulas (distill_terms), on the CPU (eager, opcheck, compiled) and on CUDA (the Triton kernel)."""
+import pytest
+import torch
+
+from dspark.ops.distill_loss import distill_loss_torch, distill_terms
+
+loss_op = torch.ops.dspark.distill_loss
+WEIGHTS = (0.1, 0.9, 0.3, 1.0)  # ce, tv, argmax, kl: the shipped recipe's
+
+
+def inputs(rows=7, vocab=50, dtype=torch.float32, with_bias=True, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    bias = torch.randn(rows, vocab, generator=g).to(dtype) if with_bias else None
+    target_logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    return [None if t is None else t.to(device) for t in (logits, bias, target_logits, labels)]
+
+
+def gradients(fn, logits, bias, target_logits, labels, weights):
+    """fn's terms and the gradients of sum(terms * upstream) for logits and bias (a random upstream)."""
+    leaves = [t.detach().requires_grad_() for t in (logits, bias) if t is not None]
+    terms = fn(*leaves[:1], leaves[1] if bias is not None else None, target_logits, labels, *weights)
+    terms = terms[0] if isinstance(terms, tuple) else terms
+    upstream = torch.linspace(-1.0, 2.0, len(terms), device=terms.device)
+    return terms, torch.autograd.grad((terms * upstream).sum(), leaves)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("weights", [WEIGHTS, (1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
+                                     (0.0, 0.0, 0.0, 1.0)], ids=["recipe", "ce", "tv", "argmax", "kl"])
+def test_terms_and_gradients_are_autograds_of_the_formulas(with_bias, weights):
+    args = inputs(with_bias=with_bias, seed=len(weights))
+    want_terms, want_grads = gradients(distill_terms, *args, weights)
+    got_terms, got_grads = gradients(loss_op, *args, weights)
+    torch.testing.assert_close(got_terms, want_terms)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # a negative control: another weighting is another gradient
+    other = tuple(reversed(weights))
+    assert not torch.allclose(gradients(loss_op, *args, other)[1][0], want_grads[0], atol=1e-4)
+
+
+def test_tv_and_agreement_are_the_distance_and_the_argmax_match_and_carry_no_gradient():
+    logits, bias, target_logits, labels = inputs()
+    target_logits[0] = logits[0] + bias[0] + 5.0  # the same distribution, shifted: TV 0, agreement
+    logits_leaf = logits.requires_grad_()
+    terms, tv, agree, grad = loss_op(logits_leaf, bias, target_logits, labels, *WEIGHTS)
+    q, p = (logits + bias).softmax(-1), target_logits.softmax(-1)
+    torch.testing.assert_close(tv, 0.5 * (q - p).abs().sum(-1))
+    assert torch.equal(agree, ((logits + bias).argmax(-1) == target_logits.argmax(-1)).float())
+    assert tv[0] < 1e-6 and agree[0] == 1.0 and 0 < agree.mean() < 1
+    assert terms.requires_grad and not (tv.requires_grad or agree.requires_grad or grad.requires_grad)
+
+
+def test_bfloat16_inputs_give_their_float32_values_and_a_bfloat16_gradient():
+    logits, bias, target_logits, labels = inputs(dtype=torch.bfloat16)
+    terms, tv, agree, grad = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
+    want = distill_loss_torch(logits.float(), bias.float(), target_logits.float(), labels, *WEIGHTS)
+    assert grad.dtype == torch.bfloat16 and terms.dtype == tv.dtype == agree.dtype == torch.float32
+    for got, expected in zip((terms, tv, agree, grad.float()), want):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-3)
+
+
+def test_bad_shapes_are_refused_by_name():
+    logits, bias, target_logits, labels = inputs()
+    with pytest.raises(ValueError, match="must all be"):
+        loss_op(logits, bias[:, :10], target_logits, labels, *WEIGHTS)
+    with pytest.raises(ValueError, match="labels must be int64"):
+        loss_op(logits, bias, target_logits, labels.int(), *WEIGHTS)
+
+
+def test_opcheck_and_compiled_equal_eager():
+    args = inputs()
+    torch.library.opcheck(loss_op, (*args, *WEIGHTS))
+    torch.library.opcheck(loss_op, (args[0], None, *args[2:], *WEIGHTS))
+    compiled = torch.compile(lambda *a: loss_op(*a)[0], dynamic=True, fullgraph=True)
+    for rows in (5, 9):  # two row counts, one compilation
+        args = inputs(rows=rows, seed=rows)
+        want_terms, want_grads = gradients(loss_op, *args, WEIGHTS)
+        got_terms, got_grads = gradients(compiled, *args, WEIGHTS)
+        torch.testing.assert_close(got_terms, want_terms)
+        for got, want in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cuda_kernel_matches_torch(dtype, with_bias):
+    """The default target's vocabulary (49152, twelve chunks), compiled with its backward as the
+    training step is, against the CPU implementation on the same inputs."""
+    args = inputs(rows=37, vocab=49152, dtype=dtype, with_bias=with_bias, device="cuda")
+    got = loss_op(*args, *WEIGHTS)
+    want = distill_loss_torch(*args, *WEIGHTS)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-5)
+    for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+    compiled = torch.compile(lambda *a: loss_op(*a)[0], dynamic=True)
+    want_terms, want_grads = gradients(distill_terms, *args, WEIGHTS)
+    got_terms, got_grads = gradients(compiled, *args, WEIGHTS)
+    torch.testing.assert_close(got_terms, want_terms, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
