@@ -1,7 +1,7 @@
 """Speed of the drafter's training loss over the vocabulary, forward and backward, at the training
 step's shapes: dspark::distill_loss (one Triton kernel that writes the gradient with the terms)
-against the same formulas differentiated by autograd and compiled by Inductor, which is how the
-training step computed them before the op, in one process.
+against the training step's loss before the op (commit 7c07aee's slot_losses: the same formulas,
+differentiated by autograd and compiled by Inductor), in one process.
 
 Random bfloat16 base logits, Markov bias and target logits [rows, V] (rows = 64 sequences x 64 blocks
 x 7 slots, the default recipe's), the shipped recipe's weights (0.1 CE, 0.9 TV, 0.3 argmax CE, 1.0
@@ -23,7 +23,8 @@ import time
 import torch
 import triton
 
-from dspark.ops.distill_loss import CHUNK, NUM_WARPS, distill_terms, launch_distill_loss
+from baselines import slot_losses_7c07aee
+from dspark.ops.distill_loss import CHUNK, NUM_WARPS, launch_distill_loss
 from timing import emit_table
 
 loss_op = torch.ops.dspark.distill_loss
@@ -31,15 +32,13 @@ WEIGHTS = (0.1, 0.9, 0.3, 1.0)  # ce, tv, argmax, kl
 
 
 def inductor_losses(logits, bias, target_logits, labels):
-    """The terms, TV and agreement as the training step computed them before the op: the formulas."""
-    terms = distill_terms(logits, bias, target_logits, labels, *WEIGHTS)
-    z = logits.float() + bias.float()
-    tv = 0.5 * (z.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
-    return terms, tv.detach(), (z.argmax(-1) == target_logits.argmax(-1)).float()
+    """The terms, 1 - TV and agreement as the training step computed them before the op (7c07aee)."""
+    return slot_losses_7c07aee(logits, bias, None, labels, target_logits, *WEIGHTS[:2], 0.0, *WEIGHTS[2:])
 
 
 def op_losses(logits, bias, target_logits, labels):
-    return loss_op(logits, bias, target_logits, labels, *WEIGHTS)[:3]
+    terms, tv, agree, _ = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
+    return terms, (1 - tv).clamp_min(0.0), agree
 
 
 def tiling(text: str) -> tuple[int, int]:
@@ -87,16 +86,16 @@ def main():
     upstream = torch.rand(args.rows, device=device, generator=g)
     leaves = [t.requires_grad_() for t in (logits, bias)]
     results, rows = {}, []
-    for name, fn in (("Inductor: the formulas, autograd (before)", inductor_losses),
+    for name, fn in (("Inductor: the formulas, autograd (7c07aee)", inductor_losses),
                      ("dspark::distill_loss", op_losses)):
         compiled = torch.compile(fn)
 
         def step():
             for leaf in leaves:
                 leaf.grad = None
-            terms, tv, agree = compiled(logits, bias, target_logits, labels)
+            terms, accept, agree = compiled(logits, bias, target_logits, labels)
             (terms * upstream).sum().backward()
-            return terms.detach(), tv, agree, logits.grad
+            return terms.detach(), accept, agree, logits.grad
 
         ms = timed_ms(step, args.steps, device)
         results[name] = step()
@@ -111,16 +110,17 @@ def main():
                       args.steps, device)
         tilings.append(f"| {chunk} | {warps} | {ms:.2f} | {4 * args.rows * args.vocab * 2 / ms / 1e6:.0f} |")
         print(tilings[-1], flush=True)
-    (terms, tv, agree, grad), (op_terms, op_tv, op_agree, op_grad) = results.values()
-    check = (f"Largest differences, op against Inductor: terms {(op_terms - terms).abs().max():.2e}, TV "
-             f"{(op_tv - tv).abs().max():.2e}, gradient {(op_grad.float() - grad.float()).abs().max():.2e}; "
+    (terms, accept, agree, grad), (op_terms, op_accept, op_agree, op_grad) = results.values()
+    check = (f"Largest differences, op against Inductor: terms {(op_terms - terms).abs().max():.2e}, 1 - TV "
+             f"{(op_accept - accept).abs().max():.2e}, gradient {(op_grad.float() - grad.float()).abs().max():.2e}; "
              f"agreement differs on {(op_agree != agree).sum().item()} of {args.rows} rows.")
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"The loss over the vocabulary, forward and backward: {args.rows} rows x {args.vocab}, bfloat16, "
               f"{args.steps} passes after 3 warm-up.\n\n{where}, torch {torch.__version__}, triton "
               f"{triton.__version__}, {datetime.date.today()}.\n")
     tiling_table = ["", f"The kernel alone (the forward) by tiling (the op's: {CHUNK} x {NUM_WARPS}):", "",
-                    "| chunk | warps | ms | GB/s of its least bytes |", "|---|---|---|---|", *tilings] if tilings else []
+                    "| chunk | warps | ms | GB/s of its least bytes |", "|---|---|---|---|", *tilings]
+    tiling_table = tiling_table if tilings else []
     emit_table([header, "| loss | ms / pass | GB/s of the least bytes a pass moves |", "|---|---|---|", *rows,
                 "", check, *tiling_table], args.out)
 

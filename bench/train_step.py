@@ -2,9 +2,9 @@
 shapes, eager, with the per-slot loss (CE, TV, confidence BCE over the vocabulary) compiled, with
 the whole step's forward compiled (the target's and each drafter's, loss included), and the last
 with length-bucketed batches (`dspark.train.BatchOrder`, --bucket-batches 16) instead of batches
-of random sequences; the compiled step with the target's forward over the whole batch at once (not
-in chunks of TrainConfig.target_chunk_rows rows, each cut to its length), and that with the loss over
-the vocabulary as Inductor compiled its formulas before dspark::distill_loss (commit 7c07aee's step);
+of random sequences; the compiled step with the host waiting for each step's statistics before it
+makes the next batch (and copying it from pageable memory), and that with the loss over the
+vocabulary as Inductor compiled its formulas before dspark::distill_loss (commit 7c07aee's step);
 and that with the baseline target of commit d088ec2 (`MaskedTarget`: a dense causal mask in the
 training forward, float32 logits at the slots).
 
@@ -32,8 +32,9 @@ import functools
 import json
 import time
 
+from typing import Callable, NamedTuple
+
 import torch
-import torch.nn.functional as F
 import triton
 from torch._dynamo.utils import counters
 
@@ -41,10 +42,10 @@ from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.loading import measuring_dtype
 from dspark.target import TargetModel, grouped_mask
-from dspark.ops.distill_loss import distill_terms
 import dspark.train.step
-from dspark.train import (BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students, slot_losses,
-                          train_step)
+from dspark.train import (Batch, BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students,
+                          slot_losses, train_step)
+from baselines import slot_losses_7c07aee
 from engine_step import SMOLLM2
 from timing import emit_table, print_profile
 
@@ -65,31 +66,25 @@ class MaskedTarget(TargetModel):
         return super().forward(*args, **{**kwargs, "logits_dtype": torch.float32})
 
 
-def inductor_slot_losses(logits, bias, confidence, labels, target_logits, ce_weight, tv_weight, confidence_weight,
-                         argmax_weight=0.0, kl_weight=0.0):
-    """dspark.train.slot_losses as it was before dspark::distill_loss: the formulas over the
-    vocabulary differentiated by autograd (compiled with the step, Inductor's fused kernels)."""
-    vocab = logits.shape[-1]
-    flat = [None if t is None else t.reshape(-1, vocab) for t in (logits, bias, target_logits)]
-    terms = distill_terms(*flat, labels.reshape(-1), ce_weight, tv_weight, argmax_weight, kl_weight)
-    z = logits.float() if bias is None else logits.float() + bias.float()
-    tv = 0.5 * (z.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
-    accept = (1 - tv.detach()).clamp_min(0.0)
-    terms = terms.view(labels.shape) + confidence_weight * F.binary_cross_entropy_with_logits(
-        confidence.float(), accept, reduction="none")
-    return terms, accept, (z.argmax(-1) == target_logits.argmax(-1)).float()
+class Variant(NamedTuple):
+    compile: str  # what torch.compile covers: dspark.train.COMPILE_MODES
+    bucket_batches: int = 1  # TrainConfig.bucket_batches
+    target: type = TargetModel
+    losses: Callable | None = None  # the per-slot loss: dspark.train.slot_losses unless given
+    waits: bool = False  # the host waits for every step's statistics (step_runner)
 
 
-# name -> (what torch.compile covers: dspark.train.COMPILE_MODES, TrainConfig fields, target class, the
-# per-slot loss: dspark.train.slot_losses unless given)
-ONE_FORWARD = {"target_chunk_rows": 1 << 20}  # the target's forward over the whole batch at once
-VARIANTS = {"eager": ("none", {}, TargetModel, None), "compiled loss": ("loss", {}, TargetModel, None),
-            "compiled step": ("all", {}, TargetModel, None),
-            "compiled step, length buckets": ("all", {"bucket_batches": 16}, TargetModel, None),
-            "compiled step, one target forward": ("all", ONE_FORWARD, TargetModel, None),
-            "compiled step, one target forward, Inductor loss (7c07aee)": ("all", ONE_FORWARD, TargetModel,
-                                                                          inductor_slot_losses),
-            "compiled step, masked target (d088ec2)": ("all", ONE_FORWARD, MaskedTarget, inductor_slot_losses)}
+VARIANTS = {"eager": Variant("none"), "compiled loss": Variant("loss"), "compiled step": Variant("all"),
+            "compiled step, length buckets": Variant("all", 16),
+            "compiled step, waiting for each step": Variant("all", waits=True),
+            "compiled step, waiting, Inductor loss (7c07aee)": Variant("all", losses=slot_losses_7c07aee,
+                                                                        waits=True),
+            "compiled step, masked target (d088ec2)": Variant("all", 1, MaskedTarget, slot_losses_7c07aee, True)}
+
+
+def use(variant: Variant) -> None:
+    """Sets the loss the training step calls for this variant (a module global of dspark.train.step)."""
+    dspark.train.step.slot_losses = variant.losses or slot_losses
 
 
 def drawn_lengths(count: int, prompt_len: int, response_len: int) -> list[tuple[int, int]]:
@@ -112,16 +107,24 @@ def random_sequences(lengths: list[tuple[int, int]], vocab: int) -> list[Sequenc
             for prompt, response in lengths]
 
 
-def step_runner(target, sequences, recipe, compile, device, rank0_twin: bool):
-    """run(step): one training step of a fresh drafter (and its rank-0 twin) on batch `step`."""
+def step_runner(target, sequences, recipe, compile, device, rank0_twin: bool, waits: bool):
+    """run(step): one training step of a fresh drafter (and its rank-0 twin) on batch `step`, as the
+    training loop takes it (the batch made on the host, then the step); `waits`: the host reads the
+    step's statistics before it makes the next batch, which it copies from pageable memory."""
     students = make_students(target, default_drafter_config(target.config, 16),
                              dataclasses.replace(recipe, rank0_twin=rank0_twin))
     block_size = students[0].drafter.block_size
     order = BatchOrder([len(s.tokens) for s in sequences], recipe)
 
     def run(step):
-        chosen = [sequences[i] for i in order(step)]
-        train_step(target, students, make_batch(chosen, step, recipe, block_size).to(device), recipe, compile)
+        batch = make_batch([sequences[i] for i in order(step)], step, recipe, block_size)
+        if waits:  # from pageable memory, as Batch.to copied it then
+            batch = Batch(*(t.to(device) for t in (batch.tokens, batch.anchors, batch.valid)))
+        else:
+            batch = batch.to(device)
+        stats, _ = train_step(target, students, batch, recipe, compile)
+        if waits:
+            stats[0].summary()
 
     return run
 
@@ -174,14 +177,14 @@ def main():
         lengths = data_lengths(args.lengths_from) if args.lengths_from else drawn_lengths(count, *shapes)
         sequences = random_sequences(lengths, config.vocab_size)
         for name in args.variants:
-            compile, fields, target_class, losses = VARIANTS[name]
+            variant = VARIANTS[name]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            variant_recipe = dataclasses.replace(recipe, **fields)
-            runs[name] = step_runner(targets[target_class], sequences, variant_recipe, compile, device,
-                                     args.rank0_twin)
+            runs[name] = step_runner(targets[variant.target], sequences,
+                                     dataclasses.replace(recipe, bucket_batches=variant.bucket_batches),
+                                     variant.compile, device, args.rank0_twin, variant.waits)
             graphs = counters["stats"]["unique_graphs"]
-            dspark.train.step.slot_losses = losses or slot_losses  # what train_step's loss calls (a global)
+            use(variant)
             rate = steps_per_second(runs[name], steps, warmup, device)
             graphs = counters["stats"]["unique_graphs"] - graphs
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -199,7 +202,7 @@ def main():
                 "|---|---|---|---|---|---|---|", *rows], args.out)
     for name, run in runs.items() if args.profile else ():
         print(f"\n{name}, batch size {batch_sizes[-1]}:")
-        dspark.train.step.slot_losses = VARIANTS[name][3] or slot_losses
+        use(VARIANTS[name])
         print_profile([functools.partial(run, step) for step in range(warmup + steps, warmup + steps + args.profile)],
                       device)
 

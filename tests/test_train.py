@@ -524,12 +524,10 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
     batches of two lengths; the second length compiles nothing new (make_batch pads the length to a
     multiple of LENGTH_MULTIPLE and always makes num_anchors blocks; without that every new length
     compiled the target's forward and both losses again). The rnn head unrolls its state along the
-    block inside the compiled loss. The target's forward runs in chunks of two rows: the second
-    batch's chunks have two lengths, compiled once too."""
-    config = training.TrainConfig(batch_size=4, num_anchors=6, target_chunk_rows=2)
+    block inside the compiled loss."""
+    config = training.TrainConfig(batch_size=4, num_anchors=6)
     target.drop_caches()  # left by the sequences' generation; training runs plain causal forwards
     longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences]  # past one LENGTH_MULTIPLE
-    mixed = sequences[:2] + longer[:2]  # the target's forward in two chunks of two lengths
     results, graphs, lengths = {}, [], set()
     for compile in ("none", "all"):
         torch.manual_seed(0)
@@ -537,7 +535,7 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
                                           config),
                     training.make_student("twin", target, tiny_drafter_config(target, markov_rank=0), config)]
         results[compile] = []
-        for data in (sequences, mixed):
+        for data in (sequences, longer):
             batch = training.make_batch(data[:config.batch_size], 3, config, students[0].drafter.block_size)
             lengths.add(batch.tokens.shape[1])
             for student, loss, stats, _ in training.student_losses(target, students, batch, config, compile):
@@ -554,40 +552,33 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
         next(training.student_losses(target, students, batch, config, "everything"))
 
 
-def test_the_target_runs_in_chunks_of_rows_cut_to_their_length_with_the_whole_batchs_results(
-        target, sequences, monkeypatch):
-    """target_chunk_rows 2: the target's forward over two chunks of a batch of two lengths, each cut
-    to its own padded length (64 and 128 tokens, not 128 for both), gives the losses, acceptance
-    estimates and gradients of one forward over the whole batch."""
+@pytest.mark.gpu
+def test_a_training_step_on_cuda_never_waits_for_the_device(target, sequences):
+    """The batch's copy (from pinned memory) and the step (forward, loss, backward, optimizer, the
+    statistics) queue work without a synchronizing call, so the host makes the next batch while the
+    device computes; reading the statistics is the wait (the control: it fails under the same mode)."""
+    target = copy.deepcopy(target).cuda()
     target.drop_caches()
-    longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences[2:4]]
-    batch = training.make_batch(sequences[:2] + longer, 1, training.TrainConfig(batch_size=4, num_anchors=6), 4)
-    forwards, target_slots = [], training.step.target_slots
-
-    def recorded(target, tokens, at, config):
-        forwards.append(tuple(tokens.shape))
-        return target_slots(target, tokens, at, config)
-
-    monkeypatch.setattr(training.step, "target_slots", recorded)
-    results = []
-    for chunk_rows in (4, 2):
-        config = training.TrainConfig(batch_size=4, num_anchors=6, target_chunk_rows=chunk_rows)
-        torch.manual_seed(0)
-        student = training.make_student("drafter", target, tiny_drafter_config(target), config)
-        (_, loss, stats, _), = training.student_losses(target, [student], batch, config, "none")
-        grads = torch.autograd.grad(loss, [p for p in student.drafter.parameters() if p.requires_grad])
-        results.append((loss, stats.accept, stats.agree, *grads))
-    assert forwards == [(4, 128), (2, 64), (2, 128)]
-    for whole, chunked in zip(*results, strict=True):
-        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False)
+    students = training.make_students(target, tiny_drafter_config(target), config)
+    batch = training.make_batch(sequences[:4], 0, config, 4)
+    training.train_step(target, students, batch.to("cuda"), config, "none")  # the first calls set things up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats, _ = training.train_step(target, students, batch.to("cuda"), config, "none")
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            stats[0].summary()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert stats[0].summary()["loss"] > 0
 
 
 def test_after_compile_ahead_no_training_step_compiles_again(target, sequences):
     """compile_ahead (run while the data is generated) with throwaway students: the training steps
     of other students, on batches of every length up to its `longest`, compile nothing new. With one
-    length (128) ahead, a batch of 704 compiled the drafter's loss again. The target's forward runs in
-    chunks of two rows, so it meets lengths as short as 64 (the batches' rows come in any order here)."""
-    config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False, target_chunk_rows=2)
+    length (128) ahead, a batch of 704 compiled the drafter's loss again."""
+    config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False)
     target.drop_caches()
     drafter_config = tiny_drafter_config(target)
     training.compile_ahead(target, drafter_config, config, longest=700, compile="all")
@@ -595,9 +586,8 @@ def test_after_compile_ahead_no_training_step_compiles_again(target, sequences):
     students = training.make_students(target, drafter_config, config)
     generator = torch.Generator().manual_seed(0)
     for step, length in enumerate((690, 300, 130, 512, 641)):
-        lengths = (length, length - 9, 40, 60) if step % 2 else (length, 61, length - 18, length - 27)
-        data = [Sequence(torch.randint(1, VOCAB, (n,), generator=generator).tolist(), 4 + i)
-                for i, n in enumerate(lengths)]
+        data = [Sequence(torch.randint(1, VOCAB, (length - 9 * i,), generator=generator).tolist(), 4 + i)
+                for i in range(config.batch_size)]
         training.train_step(target, students, training.make_batch(data, step, config, 4), config, "all")
     assert counters["stats"]["unique_graphs"] == graphs
 

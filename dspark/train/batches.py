@@ -18,18 +18,19 @@ class Batch:
     tokens: torch.Tensor  # [B, S] right-padded sequences
     anchors: torch.Tensor  # [B, N] block anchor positions (0 for padding blocks)
     valid: torch.Tensor  # [B, N, K] bool: slot k of block n has a label in the response
-    lengths: tuple[int, ...]  # each row's token count, on the host (the target's forward cuts the padding by it)
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.tokens.to(device), self.anchors.to(device), self.valid.to(device), self.lengths)
+        """The batch on `device`; to a GPU from pinned memory, without waiting for the work queued
+        before it (a copy from pageable memory would wait for the device)."""
+        if torch.device(device).type != "cuda":
+            return Batch(self.tokens.to(device), self.anchors.to(device), self.valid.to(device))
+        return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in (self.tokens, self.anchors, self.valid)))
 
 
 class BatchOrder:
     """Which sequences each step trains on. Every epoch is a seeded permutation of the sequences,
     cut into runs of `config.bucket_batches` batches; each run is sorted by length and cut into
-    batches, and the epoch's batches are shuffled. (So a batch's rows come in order of length, which
-    the target's forward uses: it runs over chunks of rows, each padded to its own longest; see
-    dspark.train.step.target_outputs.) So every sequence is seen once an epoch (but for
+    batches, and the epoch's batches are shuffled. So every sequence is seen once an epoch (but for
     the last len % batch_size of the permutation). With bucket_batches = 1 (the default) a batch
     holds random sequences, padded to its longest: 2.2 times its real tokens on the self-distilled
     data's lengths (short chat prompts beside stdlib code of up to 512 tokens); with 16, 1.26 times,
@@ -129,7 +130,7 @@ def make_batch(chosen: list[Sequence], step: int, config: TrainConfig, block_siz
         tokens[row, :len(seq.tokens)] = torch.tensor(seq.tokens)
         anchors[row, :len(p)] = p
         valid[row, :len(p)] = p[:, None] + torch.arange(1, block_size + 1) < len(seq.tokens)
-    return Batch(tokens, anchors, valid, tuple(len(s.tokens) for s in chosen))
+    return Batch(tokens, anchors, valid)
 
 
 def heldout_batches(sequences: list[Sequence], config: TrainConfig, block_size: int) -> list[Batch]:

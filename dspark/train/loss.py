@@ -21,8 +21,10 @@ from dspark.train.recipe import TrainConfig
 
 @dataclass
 class Stats:
-    """Sums over steps, per position over the valid slots: for the progress display and the log."""
-    loss: float = 0.0
+    """Sums over steps, per position over the valid slots: for the progress display and the log.
+    The sums stay on the loss's device: summary() reads them (the one wait for the device), so
+    steps in between never wait and the host prepares the next batch while the device computes."""
+    loss: torch.Tensor | float = 0.0  # sum of the steps' losses
     accept: torch.Tensor | float = 0.0  # [K] sum of 1 - TV (T = 1 acceptance)
     survive: torch.Tensor | float = 0.0  # [K] sum of prod_{i<=k} (1 - TV_i)
     agree: torch.Tensor | float = 0.0  # [K] slots whose argmax is the target's (T = 0 acceptance)
@@ -34,11 +36,12 @@ class Stats:
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> dict:
-        count = self.count.clamp_min(1)
-        return {"loss": self.loss / self.steps, "acceptance": (self.accept / count).tolist(),
-                "al_estimate": 1 + (self.survive / count).sum().item(),
-                "greedy_agreement": (self.agree / count).tolist(),
-                "al_greedy_estimate": 1 + (self.agree_survive / count).sum().item()}
+        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive]).cpu()  # [4, K]
+        count = torch.as_tensor(self.count).cpu().clamp_min(1)
+        accept, survive, agree, agree_survive = sums / count
+        return {"loss": float(self.loss) / self.steps, "acceptance": accept.tolist(),
+                "al_estimate": 1 + survive.sum().item(), "greedy_agreement": agree.tolist(),
+                "al_greedy_estimate": 1 + agree_survive.sum().item()}
 
 
 def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,11 +113,10 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
 
 def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> Stats:
     """One step's Stats from its loss, acceptance estimates and argmax agreements [B, N, K] over the
-    valid slots [B, N, K]."""
+    valid slots [B, N, K], on their device (nothing waits for it)."""
     per_slot = [accept, accept.cumprod(-1), agree, agree.cumprod(-1), valid.float()]
     sums = torch.stack([t * valid for t in per_slot]).sum((1, 2))  # [5, K]
-    host = torch.cat([loss.detach().float()[None], sums.flatten()]).cpu()  # one device-to-host copy
-    return Stats(host[0].item(), *host[1:].view_as(sums), steps=1)
+    return Stats(loss.detach().float(), *sums, steps=1)
 
 
 def target_slots(target: TargetModel, tokens: torch.Tensor, at: torch.Tensor,

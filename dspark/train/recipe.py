@@ -24,14 +24,12 @@ class TrainConfig:
     kl_weight: float = 0.0  # KL(target || draft): covers the target's mass where TV's gradient vanishes
     decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
     followup_anchors: float = 0.0  # share of a sequence's anchors where a greedy decode steps (FollowUps)
-    target_chunk_rows: int = 16  # rows a target forward takes at a time (padded to their longest), see step.py
     seed: int = 0
     rank0_twin: bool = True
 
     def __post_init__(self):
         # a negative clip norm ascends the gradient, a zero one never steps; gamma 0 makes the weights NaN
-        checks = [(("steps", "batch_size", "bucket_batches", "num_anchors", "target_chunk_rows"), lambda v: v >= 1,
-                   "must be >= 1"),
+        checks = [(("steps", "batch_size", "bucket_batches", "num_anchors"), lambda v: v >= 1, "must be >= 1"),
                   (("lr", "grad_clip", "decay_gamma"), lambda v: math.isfinite(v) and v > 0, "must be > 0"),
                   (("ce_weight", "tv_weight", "confidence_weight", "argmax_weight", "kl_weight"),
                    lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),

@@ -51,7 +51,6 @@ def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
     state = torch.load(path, map_location=students[0].drafter.fc.weight.device, weights_only=True)
     recipe = dataclasses.asdict(config)
     state["train_config"]["steps"] = recipe["steps"]  # may change: the schedule follows the new total
-    state["train_config"]["target_chunk_rows"] = recipe["target_chunk_rows"]  # may change: rounding only
     state["train_config"].setdefault("followup_anchors", 0.0)  # saved before the option: uniform anchors
     for key, ours in (("train_config", recipe), ("drafter_config", drafter_config.to_dict())):
         if state[key] != ours:

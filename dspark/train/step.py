@@ -8,7 +8,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch._inductor.config
-import torch.nn.functional as F
 
 from dspark.config import DrafterConfig
 from dspark.data import Sequence
@@ -51,30 +50,6 @@ def compile_mode(target: TargetModel, compile: str | None) -> str:
     return compile
 
 
-def target_outputs(forward: Callable, target: TargetModel, batch: Batch, at: torch.Tensor, config: DrafterConfig,
-                   chunk_rows: int, dynamic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's logits at the slots and the drafter's context features for `batch`, from
-    `forward` (target_slots, or a compiled copy) over chunks of `chunk_rows` rows, each cut to its
-    own longest row padded to a multiple of LENGTH_MULTIPLE: a batch's rows come in order of length
-    (BatchOrder), so the chunks skip most of the padding a forward over the whole batch computes
-    (about 1.8x the real tokens on the self-distilled data, 1.3x in chunks of 16). Positions past a
-    chunk's length get zero features: no block sees them (a block sees the context before its
-    anchor). `dynamic`: mark the chunks' length dynamic for a compiled `forward`.
-    at: [B, N, K] the slots' positions -> [B, N, K, V], [B, S, m * hidden]"""
-    length, logits, features = batch.tokens.shape[1], [], []
-    for begin in range(0, len(batch.lengths), chunk_rows):
-        end = begin + chunk_rows
-        padded = min(length, -(-max(batch.lengths[begin:end]) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
-        tokens = batch.tokens[begin:end, :padded].clone(memory_format=torch.contiguous_format)  # never a view:
-        # a compiled forward guards on views, and a chunk of the whole length would be one
-        if dynamic:  # the length varies between chunks: compile for any (always a multiple)
-            torch._dynamo.mark_dynamic(tokens, 1)
-        chunk_logits, chunk_features = forward(target, tokens, at[begin:end].clamp_max(padded - 1), config)
-        logits.append(chunk_logits)
-        features.append(F.pad(chunk_features, (0, 0, 0, length - padded)))
-    return torch.cat(logits), torch.cat(features)
-
-
 def student_losses(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,
                    compile: str | None = None) -> Iterator[tuple[Student, torch.Tensor, Stats, torch.Tensor]]:
     """(student, loss, stats, argmax agreement [B, N, K]) for every student on `batch`, one student
@@ -93,10 +68,7 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
         torch._dynamo.mark_dynamic(batch.tokens, 1)
     with torch.no_grad(), autocast(device):
         labels, prev, at = block_views(batch, drafter_config.block_size)
-        target_logits, features = target_outputs(target_forward, target, batch, at, drafter_config,
-                                                 config.target_chunk_rows, dynamic=whole)
-    if whole:  # so are the features' (built outside the compiled forward; sizes of equal value may be tied)
-        torch._dynamo.mark_dynamic(features, 1)
+        target_logits, features = target_forward(target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
             loss, accept, agree = drafter_loss(student.drafter, features, batch.tokens, batch.anchors,
@@ -110,7 +82,7 @@ def train_step(target: TargetModel, students: list[Student], batch: Batch, confi
     and with `keep_agreement` the first student's argmax agreement [B, N, K] on the CPU (else None)."""
     collected, first_agreement = [], None
     for student, loss, stats, agree in student_losses(target, students, batch, config, compile):
-        if keep_agreement and first_agreement is None:  # before the backward: step_stats waited for the forward
+        if keep_agreement and first_agreement is None:  # waits for the forward (the only wait in a step)
             first_agreement = agree.cpu()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.optimizer.param_groups[0]["params"], config.grad_clip)
@@ -125,8 +97,7 @@ def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: Tr
                   compile: str | None = None) -> None:
     """Compiles the training step before its data exists (`python -m dspark.train` runs it while
     the data is generated): the forward and backward of fresh students on batches of random tokens,
-    one of every padded length from LENGTH_MULTIPLE (a chunk of the target's forward may be that short)
-    to `longest` (a sequence's most tokens),
+    one of every padded length from 2 * LENGTH_MULTIPLE to `longest` (a sequence's most tokens),
     whose gradients are dropped. The step's compiled functions take the students as arguments and
     the batch length as dynamic, but the code Inductor picks for a length can hold only up to a
     bound on it (a guard), past which the step compiles again; after all the lengths, train's
@@ -137,7 +108,7 @@ def compile_ahead(target: TargetModel, drafter_config: DrafterConfig, config: Tr
     device = target.embed_tokens.weight.device
     students = make_students(target, drafter_config, config)
     generator = torch.Generator().manual_seed(config.seed)
-    for length in range(LENGTH_MULTIPLE, longest + LENGTH_MULTIPLE, LENGTH_MULTIPLE):
+    for length in range(2 * LENGTH_MULTIPLE, longest + LENGTH_MULTIPLE, LENGTH_MULTIPLE):
         fake = [Sequence(torch.randint(target.config.vocab_size, (length,), generator=generator).tolist(),
                          length // 2) for _ in range(config.batch_size)]  # as much response as prompt
         batch = make_batch(fake, 0, config, drafter_config.block_size).to(device)
