@@ -152,7 +152,7 @@ def distill_terms(logits: torch.Tensor, bias: torch.Tensor | None, target_logits
                   labels: torch.Tensor, ce_weight: float, tv_weight: float, argmax_weight: float,
                   kl_weight: float) -> torch.Tensor:
     """The op's terms [M] in differentiable torch: what its gradient is the derivative of (the tests'
-    reference, and the baseline of bench/distill_loss.py, compiled there as the training step was)."""
+    reference for the op's values and gradient)."""
     _, log_q, log_p, picks = _log_probs(logits, bias, target_logits, labels)
     return _terms(log_q, log_p, picks, (ce_weight, tv_weight, argmax_weight, kl_weight))[0]
 

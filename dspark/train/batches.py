@@ -24,7 +24,8 @@ class Batch:
         before it (a copy from pageable memory would wait for the device)."""
         if torch.device(device).type != "cuda":
             return Batch(self.tokens.to(device), self.anchors.to(device), self.valid.to(device))
-        return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in (self.tokens, self.anchors, self.valid)))
+        tensors = (self.tokens, self.anchors, self.valid)
+        return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in tensors))
 
 
 class BatchOrder:
