@@ -31,18 +31,17 @@ import datetime
 import functools
 import json
 import time
-
 from typing import Callable, NamedTuple
 
 import torch
 import triton
 from torch._dynamo.utils import counters
 
+import dspark.train.step
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.loading import measuring_dtype
 from dspark.target import TargetModel, grouped_mask
-import dspark.train.step
 from dspark.train import (Batch, BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students,
                           slot_losses, train_step)
 from baselines import slot_losses_7c07aee
