@@ -1,6 +1,6 @@
 """Trains a DSpark drafter for the default target (SmolLM2-135M-Instruct) with DeepSpec's recipe.
 
-    python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 14000 --fit-steps \
+    python -m dspark.train --out runs/smollm2 --device cuda --no-rank0-twin --steps 17000 --fit-steps \
         --argmax-weight 0.3 --kl-weight 1.0 --markov-head-type rnn --synthetic-prompts 17500 \
         --responses-per-prompt 4 --time-budget-s 1190     # the shipped drafter's run (20 minutes)
     python -m dspark.train --out runs/smollm2 ... --steps FITTED --resume   # a cut run: its flags, and
