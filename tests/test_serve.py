@@ -223,6 +223,7 @@ def test_completion_streams_what_it_returns(server):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI's null until the usage chunk
 
 
 def test_chat_completion_and_its_stream(server):
@@ -236,6 +237,7 @@ def test_chat_completion_and_its_stream(server):
     chunks = events(text)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert not any("usage" in c for c in chunks)  # without include_usage: no usage key at all
     assert streamed == whole["choices"][0]["message"]["content"]  # the same seed, the same tokens
 
 
@@ -318,6 +320,10 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "stop_token_ids": 0}, "stop_token_ids"),  # once read as none
     ({"prompt": "x", "top_p": 0}, "top_p"),  # SamplingParams' checks
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop"),  # each is looked for after every token
+    ({"prompt": "x", "stop": "y" * 513}, "stop"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "model": 3}, "model"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
     ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the sampled tokens' logprobs
@@ -339,6 +345,9 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, None, 400, "maximum model length 256"),
     ("/v1/completions", {"prompt": [1, 10**9]}, None, 400, "outside [0, 49152)"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, None, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, None, 400, "at most 16 strings"),
+    ("/v1/completions", {"prompt": "x", "model": ["tiny"]}, None, 400, "model must be a string"),
     ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, None, 400, "role"),
@@ -718,13 +727,24 @@ def test_bad_server_options_exit_naming_them(default_tokenizer, tmp_path):
     save_hf(make_model(max_position_embeddings=512), tmp_path)
     default_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
     given = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--port", "0"]
+    busy = socket.create_server(("127.0.0.1", 0))  # a port in use
     for options, words in [(["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
                            (["--max-model-len", "513"], r"--max-model-len must be in \[1, 512\] for this model"),
                            (["--speculative-config", '{"num_speculative_tokens": 3}'],
                             "num_speculative_tokens=3 needs a drafter"),
-                           (["--model", str(tmp_path / "absent")], "absent: no such model folder")]:
+                           (["--model", str(tmp_path / "absent")], "absent: no such model folder"),
+                           (["--host", "127.0.0.1", "--port", str(busy.getsockname()[1])], "cannot serve on")]:
         with pytest.raises(SystemExit, match=f"python -m dspark.serve: .*{words}"):
             serve_main.main([*given, *options])
+    busy.close()
+
+
+@pytest.mark.parametrize("model, name", [(None, "SmolLM2-135M-Instruct"), ("m/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),
+                                         ("m/Qwen2.5-0.5B-Instruct/", "Qwen2.5-0.5B-Instruct"),
+                                         ("m/SmolLM2-135M.Q4_1.GGUF", "SmolLM2-135M.Q4_1")])
+def test_the_served_name_is_the_models_folder_or_file_name(model, name):
+    """Path.stem once cut folder names at their last dot (Qwen2.5-0.5B-Instruct was served as Qwen2.5-0)."""
+    assert serve_main.served_name(model) == name
 
 
 def test_a_compile_cache_for_other_options_stops_the_server_naming_them(default_tokenizer, tmp_path):

@@ -41,6 +41,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def served_name(model: str | None) -> str:
+    """The name clients pass as `model`: the model's folder or file name, less a .gguf suffix (not
+    Path.stem's last dot: Qwen2.5-0.5B-Instruct is served as that)."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    name = Path(model).resolve().name
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     compile = args.compile or args.compile_cache is not None
@@ -54,10 +63,13 @@ def main(argv=None) -> None:
         except (OSError, ValueError) as error:
             raise SystemExit(f"--compile-cache: {error}") from None
     target = decoder.target
-    name = args.served_model_name or (Path(args.model).stem if args.model else "SmolLM2-135M-Instruct")
+    name = args.served_model_name or served_name(args.model)
     cuda_graphs = decoder.device.type == "cuda" and not args.enforce_eager
     engine = Engine(decoder, args.max_batch, args.max_model_len, cuda_graphs=cuda_graphs)
-    server = Server((args.host, args.port), engine, tokenizer, name)
+    try:
+        server = Server((args.host, args.port), engine, tokenizer, name)
+    except OSError as error:  # e.g. the port in use
+        raise SystemExit(f"python -m dspark.serve: cannot serve on {args.host}:{args.port}: {error}") from None
     server.start_engine()
     drafting = f"DSpark drafter, K = {decoder.k}" if decoder.drafter is not None else "no speculation"
     mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * cuda_graphs)

@@ -29,6 +29,9 @@ CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+# Every stop string is looked for after every token, on the engine's thread that all requests share:
+# a request may not make that slow for the others (OpenAI allows 4 strings, vLLM any).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512
 
 
 class BadRequest(ValueError):
@@ -102,14 +105,18 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or
                                  (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+        raise BadRequest(f"stop must be a string or a list of strings, got {stop!r:.80}", "stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
+                         f"got {len(stops)} of up to {max(map(len, stops))}", "stop")
     stop_token_ids = body.get("stop_token_ids")
     stop_token_ids = [] if stop_token_ids is None else stop_token_ids
     if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in stop_token_ids)):
         raise BadRequest(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}", "stop_token_ids")
     values = dict(temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0),
+                  top_p=_number(body, "top_p", 1.0, float),  # its range: SamplingParams' (0, 1]
                   top_k=max(_number(body, "top_k", 0, int, -1, 2**63 - 1), 0),
                   min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
                   seed=_number(body, "seed", None, int, -2**63, 2**63 - 1),
@@ -165,6 +172,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], Sa
 
 def check_model(body: dict, served: str) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {model!r:.80}", "model")
     if model is not None and model != served:
         raise BadRequest(f"model {model!r} is not served here; this server serves {served!r}", "model",
                          status=404, code="model_not_found")  # OpenAI's and vLLM's answer
@@ -234,10 +243,12 @@ def _totals(prompt_tokens: int, result: GenerationResult) -> dict:
 @dataclass(frozen=True)
 class Reply:
     """What every object of one request's answer shares: the kind ("text" or "chat"), the id, the
-    model and one `created` time (OpenAI's chunks of a stream all carry the same)."""
+    model and one `created` time (OpenAI's chunks of a stream all carry the same). With
+    `include_usage` (stream_options') every chunk but the usage chunk carries "usage": null, as OpenAI's."""
     kind: str
     id: str
     model: str
+    include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _object(self, choices: list[dict], suffix: str = "") -> dict:
@@ -259,7 +270,7 @@ class Reply:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._object([choice], ".chunk")
+        return {**self._object([choice], ".chunk"), **({"usage": None} if self.include_usage else {})}
 
     def usage_chunk(self, prompt_tokens: int, result: GenerationResult) -> dict:
         """The stream's last chunk when stream_options.include_usage asks for it: no choices."""

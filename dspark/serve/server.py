@@ -72,8 +72,8 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 2048  # the listen backlog (the standard library's 5 reset clients at 64 at once)
 
     def __init__(self, address: tuple[str, int], engine: Engine, tokenizer, model_name: str):
-        super().__init__(address, Handler)
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name  # before a bind that
+        super().__init__(address, Handler)  # fails (a port in use) calls server_close, which reads the engine
         self.created = int(time.time())  # /v1/models' "created"
         self.engine_thread = threading.Thread(target=engine.run, name="dspark-engine", daemon=True)
 
@@ -259,10 +259,11 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}", "server_error")
             return
-        reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id, server.model_name)
+        reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id, server.model_name,
+                             include_usage)
         text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids, prompt)
         if body.get("stream"):
-            self._stream(reply, request, text, len(prompt), include_usage)
+            self._stream(reply, request, text, len(prompt))
         else:
             self._complete(reply, request, text, len(prompt))
 
@@ -303,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
             self.close_connection = True
 
-    def _stream(self, reply, request, text, prompt_tokens, include_usage):
+    def _stream(self, reply, request, text, prompt_tokens):
         def send(payload) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             self.wfile.write(f"data: {data}\n\n".encode())
@@ -325,7 +326,7 @@ class Handler(BaseHTTPRequestHandler):
             if request.cancelled:  # its client left
                 return
             send(reply.chunk(None, request.result.finish_reason))
-            if include_usage:
+            if reply.include_usage:
                 send(reply.usage_chunk(prompt_tokens, request.result))
             send("[DONE]")
         except OSError:  # the client went away: free its slot
