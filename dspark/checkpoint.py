@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dspark.config import DrafterConfig, TargetConfig
+from dspark.config import DrafterConfig
 from dspark.drafter import DSparkDrafter
 from dspark.target import TargetModel
-from dspark.weights import StoredTensors, read_safetensors, read_state
+from dspark.weights import INDEX, StoredTensors, read_safetensors, read_state
 
 CHECKPOINT_FILE = "model.safetensors"
 _TENSOR_ALIASES = {
@@ -42,7 +42,7 @@ def load_drafter(path: str | Path, target: TargetModel, dtype: torch.dtype | Non
         raise FileNotFoundError(f"{folder}: no config.json")
     config = _read_config(config_file)
     try:
-        _check_fits_target(config, target.config)
+        config.check_fits(target.config)
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
     tensors = _read_tensors(folder)
@@ -69,6 +69,11 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
     not written; loading shares the target's again."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    others = sorted(f.name for f in folder.iterdir() if f.name == INDEX or
+                    (f.suffix == ".safetensors" and f.name != CHECKPOINT_FILE))
+    if others:  # a loader would read them (an index first) with or instead of the file written here
+        raise FileExistsError(f"{folder} holds another checkpoint's files {others}: save into another folder "
+                              "or remove them")
     config = {**_hf_identity(drafter.config), **drafter.config.to_dict(),
               "use_sliding_window": drafter.config.sliding_window is not None}
     state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
@@ -111,27 +116,21 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     may be the target's); `layer_types` lists "sliding_attention" layers."""
     d = {**raw, **(raw.get("dflash_config") or {}), **(raw.get("dspark_config") or {})}
     if "use_swa" in d:  # the draft's own switch: HF's keys beside it may describe the target's layers
-        return (d.get("swa_window_size") or d.get("sliding_window")) if d["use_swa"] else None
-    switches = [bool(d["use_sliding_window"])] if "use_sliding_window" in d else []
-    if "layer_types" in d:
-        kinds = set(d["layer_types"])
-        if len(kinds) > 1:
-            raise ValueError(f"layer_types mixes {sorted(kinds)}; one attention kind for all layers is supported")
-        switches.append(kinds == {"sliding_attention"})
-    window = d.get("swa_window_size") or d.get("sliding_window")
-    return window if all(switches) else None
-
-
-def _check_fits_target(config: DrafterConfig, target: TargetConfig) -> None:
-    for key in ("vocab_size", "hidden_size"):
-        if getattr(config, key) != getattr(target, key):
-            raise ValueError(f"{key} {getattr(config, key)} does not match the target's {getattr(target, key)}")
-    layers = target.num_hidden_layers
-    if config.num_target_layers is not None and config.num_target_layers != layers:
-        raise ValueError(f"num_target_layers {config.num_target_layers} does not match the target's {layers} layers")
-    config.check_target_layers(layers)
-    if not 0 <= config.mask_token_id < config.vocab_size:
-        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the vocabulary [0, {config.vocab_size})")
+        switches = [bool(d["use_swa"])]
+    else:
+        switches = [bool(d["use_sliding_window"])] if "use_sliding_window" in d else []
+        if "layer_types" in d:
+            kinds = set(d["layer_types"])
+            if len(kinds) > 1:
+                raise ValueError(f"layer_types mixes {sorted(kinds)}; one attention kind for all layers is supported")
+            switches.append(kinds == {"sliding_attention"})
+    if not all(switches):
+        return None
+    window = next((d[key] for key in ("swa_window_size", "sliding_window") if d.get(key) is not None), None)
+    if window is None and switches:  # else the drafter would attend to all the context, unlike its training
+        raise ValueError("the sliding window is switched on, but neither swa_window_size nor sliding_window "
+                         "gives its size")
+    return window
 
 
 def _read_tensors(folder: Path) -> StoredTensors:

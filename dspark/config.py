@@ -153,6 +153,22 @@ class DrafterConfig(TargetConfig):
             self.check_target_layers(self.num_target_layers)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None (the whole context), got {self.sliding_window}")
+
+    def check_fits(self, target: TargetConfig) -> None:
+        """ValueError naming the first field in which this drafter does not fit `target`."""
+        for key in ("vocab_size", "hidden_size"):
+            if getattr(self, key) != getattr(target, key):
+                raise ValueError(f"{key} {getattr(self, key)} does not match the target's {getattr(target, key)}")
+        layers = target.num_hidden_layers
+        if self.num_target_layers is not None and self.num_target_layers != layers:
+            raise ValueError(f"num_target_layers {self.num_target_layers} does not match the target's {layers} layers")
+        self.check_target_layers(layers)
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_target_layers(self, num_target_layers: int) -> None:
         """The features must come from a target of `num_target_layers` layers: ids run from -1 (the

@@ -15,6 +15,7 @@ device does not wait for the host's bookkeeping.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -25,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dspark.drafter import DSparkDrafter
 from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.ops.verify import greedy_verify, verify
-from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
+from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int
 from dspark.target import TargetModel
 from dspark.tokenizer import IncrementalDecoder
 
@@ -166,7 +167,9 @@ class SpeculativeDecoder:
         (still lossless: verification accepts a one-hot draft with probability p(d)).
     forced_num_accepted: benchmarks only. Every step accepts exactly this many drafts, so a
         step can be timed at a fixed acceptance length. The output is then NOT the target's.
-    compile: torch.compile(fullgraph=True) the step function (see _compile_step).
+    compile: torch.compile(fullgraph=True) the step function (see _compile_step). A compiled
+        decoder keeps the models' caches between generate calls (its graphs are specialized to their
+        shape); an eager one frees them when generate returns.
     """
 
     def __init__(self, target: TargetModel, drafter: DSparkDrafter | None = None,
@@ -187,6 +190,12 @@ class SpeculativeDecoder:
         if drafter is not None and k > drafter.config.block_size:
             raise ValueError(f"num_speculative_tokens={k} exceeds the drafter's block_size "
                              f"{drafter.config.block_size}")
+        if drafter is not None:
+            drafter.config.check_fits(target.config)
+            ours, theirs = drafter.fc.weight, target.embed_tokens.weight
+            if (ours.dtype, ours.device) != (theirs.dtype, theirs.device):
+                raise ValueError(f"the drafter is {ours.dtype} on {ours.device}, the target {theirs.dtype} on "
+                                 f"{theirs.device}: load them in one dtype on one device")
         if rejection_sample_method not in VERIFY_METHODS:
             raise ValueError(f"rejection_sample_method must be one of {VERIFY_METHODS}, "
                              f"got {rejection_sample_method!r}")
@@ -282,6 +291,9 @@ class SpeculativeDecoder:
         this call (CUDA only; the same tokens as eager steps)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if not (isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt)):
+                raise ValueError(f"prompt {i} must be a list of token ids (ints), got {prompt!r:.80}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if cuda_graph and self.device.type != "cuda":
@@ -290,6 +302,9 @@ class SpeculativeDecoder:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise ValueError(f"params must be SamplingParams, got {type(bad).__name__} {bad!r:.80}")
         vocab = self.target.config.vocab_size
         for i, p in enumerate(prompts):
             bad = [t for t in p if not 0 <= t < vocab]
@@ -305,52 +320,64 @@ class SpeculativeDecoder:
                              f"max_position_embeddings {self.target.config.max_position_embeddings}")
         # Room for one step past the end: a request runs one step after the one that ends it (below).
         rows, max_len = self._cache_shape(batch, longest + 2 * (self.k + 1))
-        self.target.setup_caches(rows, max_len)
+        with self._caches(rows, max_len):
+            sampling = SamplingTensors.from_params(params, device)
+            draft_probs = torch.zeros(batch, self.k, vocab, device=device)
+
+            anchor, start = self.prefill(prompts, sampling)
+            active = torch.ones(batch, dtype=torch.bool)
+            for i, token in enumerate(anchor.tolist()):
+                self._emit(i, [token], results, stops, active, on_tokens)
+            tokens = anchor[:, None].clone()
+            if self.drafter is not None:
+                drafts = self.draft(anchor, start, draft_probs, sampling)
+                tokens = torch.cat([tokens, drafts], dim=1)
+            if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
+                graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
+
+                def step(*_):
+                    graph.replay()
+                    return graph_outputs
+            else:
+                step = self.step
+
+            outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
+            readback = None if outputs is None else Readback(*outputs[:2])
+            while outputs is not None:
+                emitted, num_accepted, next_tokens, next_start = outputs
+                readback.start(emitted, num_accepted)
+                # The next step's inputs, before this step's tokens are read: a row this step ends runs
+                # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
+                # same cache positions.
+                keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
+                tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
+                start.copy_(torch.where(keep, next_start, start))
+                queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
+                emitted_rows, accepted_counts = readback.lists()
+                for i in active.nonzero().flatten().tolist():
+                    n = accepted_counts[i]
+                    results[i].num_steps += 1
+                    taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
+                    for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
+                        results[i].accepted_per_position[pos] += 1
+                if not active.any():
+                    break
+                outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
+            return results
+
+    @contextlib.contextmanager
+    def _caches(self, rows: int, length: int):
+        """The models' caches for one generate call, freed after it unless the step is compiled."""
+        self.target.setup_caches(rows, length)
         if self.drafter is not None:
-            self.drafter.setup_caches(rows, max_len)
-        sampling = SamplingTensors.from_params(params, device)
-        draft_probs = torch.zeros(batch, self.k, vocab, device=device)
-
-        anchor, start = self.prefill(prompts, sampling)
-        active = torch.ones(batch, dtype=torch.bool)
-        for i, token in enumerate(anchor.tolist()):
-            self._emit(i, [token], results, stops, active, on_tokens)
-        tokens = anchor[:, None].clone()
-        if self.drafter is not None:
-            drafts = self.draft(anchor, start, draft_probs, sampling)
-            tokens = torch.cat([tokens, drafts], dim=1)
-        if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
-            graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
-
-            def step(*_):
-                graph.replay()
-                return graph_outputs
-        else:
-            step = self.step
-
-        outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
-        readback = None if outputs is None else Readback(*outputs[:2])
-        while outputs is not None:
-            emitted, num_accepted, next_tokens, next_start = outputs
-            readback.start(emitted, num_accepted)
-            # The next step's inputs, before this step's tokens are read: a row this step ends runs
-            # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
-            # same cache positions.
-            keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
-            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
-            start.copy_(torch.where(keep, next_start, start))
-            queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
-            emitted_rows, accepted_counts = readback.lists()
-            for i in active.nonzero().flatten().tolist():
-                n = accepted_counts[i]
-                results[i].num_steps += 1
-                taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
-                for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
-                    results[i].accepted_per_position[pos] += 1
-            if not active.any():
-                break
-            outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
-        return results
+            self.drafter.setup_caches(rows, length)
+        try:
+            yield
+        finally:
+            if not self.compiled:  # an eager target's forward is a plain causal forward again
+                self.target.drop_caches()
+                if self.drafter is not None:
+                    self.drafter.drop_caches()
 
     def _cache_shape(self, batch: int, length: int) -> tuple[int, int]:
         """The caches generate sets up for `batch` rows of `length` positions: exactly that, or, for

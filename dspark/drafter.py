@@ -189,6 +189,12 @@ class DSparkDrafter(nn.Module):
                                                c.head_dim, weight.dtype, weight.device)
         self.max_seq_len = max_seq_len
 
+    def drop_caches(self) -> None:
+        """Frees the context caches (drafting needs setup_caches again)."""
+        for layer in self.layers:
+            layer.context_cache = None
+        self.max_seq_len = None
+
     def _check_caches(self) -> None:
         if self.max_seq_len is None:
             raise RuntimeError("the drafter has no context cache: call setup_caches first")

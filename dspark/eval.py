@@ -31,7 +31,7 @@ from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_promp
 from dspark.decoder import VERIFY_METHODS, GenerationResult, SpeculativeDecoder
 from dspark.generate import DTYPES
 from dspark.drafter import DSparkDrafter
-from dspark.loading import load_default, load_default_target, measuring_dtype
+from dspark.loading import device_arg, load_default, load_default_target, measuring_dtype
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer
@@ -138,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=80, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
@@ -168,12 +168,15 @@ def load_drafters(paths: list[Path] | None, dtype: torch.dtype, device: str | to
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dtype = DTYPES[args.dtype] if args.dtype else measuring_dtype(args.device)
-    target, drafters, tokenizer = load_drafters(args.drafter, dtype, args.device)
     if args.prompts == "heldout":
         prompts = heldout_prompts()[:args.num_prompts]
     else:
         prompts = training_prompts(80 if args.num_prompts is None else args.num_prompts)
+    if args.num_prompts is not None and len(prompts) < args.num_prompts:
+        raise SystemExit(f"python -m dspark.eval: --num-prompts {args.num_prompts}: the {args.prompts} set has "
+                         f"{len(prompts)} prompts")
+    dtype = DTYPES[args.dtype] if args.dtype else measuring_dtype(args.device)
+    target, drafters, tokenizer = load_drafters(args.drafter, dtype, args.device)
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
                     num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
                     batch_size=args.batch_size, seed=args.seed)

@@ -13,7 +13,7 @@ import torch
 
 from dspark.checkpoint import load_drafter
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.loading import fast_dtype, load_default, load_gguf, load_target
+from dspark.loading import device_arg, fast_dtype, load_default, load_gguf, load_target
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -59,7 +59,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an HF folder or its tokenizer.json, with the folder's chat template (default: the model's)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_models(args):

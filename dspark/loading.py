@@ -3,6 +3,7 @@ not) or a llama.cpp GGUF file (dequantized with the `gguf` package). Loading is 
 unexpected or misshapen tensor raises an error naming the file and the tensor."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -22,6 +23,19 @@ from dspark.weights import StoredTensors, gguf_reader, read_safetensors, read_st
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFTER = Path(__file__).parent / "assets" / "drafter"  # trained for it by dspark.train
+
+
+def device_arg(text: str) -> str:
+    """The command lines' --device (an argparse type): a CPU, or a CUDA device this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: dspark runs on cpu or cuda")
+    return text
 
 
 def fast_dtype(device: str | torch.device) -> torch.dtype:

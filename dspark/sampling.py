@@ -22,7 +22,8 @@ def _finite(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(value) -> bool:
+def is_int(value) -> bool:
+    """An integer (numpy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -46,20 +47,22 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (_finite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_integer(self.top_k) and 0 <= self.top_k < 2**63):
+        if not (is_int(self.top_k) and 0 <= self.top_k < 2**63):
             raise ValueError(f"top_k must be an int in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not (_finite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (_integer(self.seed) and -MAX_SEED <= self.seed < MAX_SEED):
+        if self.seed is not None and not (is_int(self.seed) and -MAX_SEED <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
-        if not (_integer(self.max_tokens) and self.max_tokens >= 1):
+        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_integer(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        self.stop = list(stop)
+        stop_token_ids = self.stop_token_ids or []
+        if not (isinstance(stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

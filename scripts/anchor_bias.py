@@ -61,7 +61,6 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop_token_ids=tokenizer.eos_token_ids)
     results = SpeculativeDecoder(target, drafter, num_speculative_tokens=args.k).generate(prompts, params)
     decoded = sum(acceptances(results), start=Acceptance([0] * args.k, 0, 0))
-    target.drop_caches()
     every, walked = [], []
     for prompt, result in zip(prompts, results):
         runs = accepted_runs(target, drafter, prompt + result.tokens, len(prompt), args.k)

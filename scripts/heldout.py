@@ -38,11 +38,9 @@ def heldout_responses(target: TargetModel, tokenizer, cache: Path) -> dict[str, 
     """The target's greedy and sampled responses to the held-out prompts, with the training
     command's defaults, generated into (or read from) `cache`."""
     trainer = parse_args(["--out", "unused"])
-    sets = heldout_sequences(target.eval(), tokenizer, heldout_prompts(), cache,
+    return heldout_sequences(target.eval(), tokenizer, heldout_prompts(), cache,
                              max_prompt_tokens=trainer.max_prompt_tokens, max_tokens=trainer.max_tokens,
                              seed=trainer.seed, batch_size=160)
-    target.drop_caches()  # left by the responses' generation; the scripts run plain causal forwards
-    return sets
 
 
 def draft_logits(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Tensor,

@@ -128,6 +128,44 @@ def test_an_index_names_the_drafters_files(tmp_path):
     assert_same_outputs(load_drafter(tmp_path, target), drafter)
 
 
+def test_saving_over_another_checkpoints_files_is_refused(tmp_path):
+    """An index (or other shards) left in the folder would be read instead of (or with) the file
+    saved: the old weights under the new config, once, without a word."""
+    target = make_target()
+    save_drafter(make_drafter(target), tmp_path)
+    names = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}))
+    save_file(names, tmp_path / "model-00001-of-00001.safetensors")
+    with pytest.raises(FileExistsError, match=r"another checkpoint's files \['model-00001-of-00001.safetensors', "
+                                              r"'model.safetensors.index.json'\]"):
+        save_drafter(make_drafter(target), tmp_path)
+    save_drafter(make_drafter(target), tmp_path / "fresh")  # a folder of its own: saved
+    save_drafter(make_drafter(target), tmp_path / "fresh")  # and again over its own file
+
+
+@pytest.mark.parametrize("switch", [{"use_sliding_window": True}, {"dflash_config": {"use_swa": True}},
+                                    {"layer_types": ["sliding_attention"] * 2}])
+def test_a_sliding_window_switched_on_without_a_size_is_refused(tmp_path, switch):
+    """It once loaded as a drafter attending to the whole context, unlike the one trained."""
+    save_drafter(make_drafter(), tmp_path)
+    config = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items()
+              if k not in ("sliding_window", "use_sliding_window")}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **switch}))
+    with pytest.raises(ValueError, match="config.json: the sliding window is switched on, but neither"):
+        load_drafter(tmp_path, make_target())
+
+
+@pytest.mark.parametrize("change, words", [(dict(markov_rank=-1), "markov_rank must be >= 0"),
+                                           (dict(sliding_window=0), "sliding_window must be >= 1")])
+def test_a_drafter_config_out_of_range_is_refused_naming_the_field(tmp_path, change, words):
+    save_drafter(make_drafter(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match="config.json: " + words):
+        load_drafter(tmp_path, make_target())
+
+
 def write_deepspec_folder(folder, drafter, config_update, renames=None):
     """A checkpoint as another tool writes it: config keys spelled its way, tensors renamed."""
     save_drafter(drafter, folder)

@@ -288,6 +288,38 @@ def test_bad_arguments_raise():
         decoder.generate([[1]], SamplingParams(stop="x"))
     with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
         decoder.generate([[1]], cuda_graph=True)
+    for prompts in ([[1.0, 2.5]], [[True, 2]], [1, 2, 3], [torch.tensor([1, 2])], ["hello"]):
+        with pytest.raises(ValueError, match="prompt 0 must be a list of token ids"):  # once deep in torch
+            decoder.generate(prompts)
+    with pytest.raises(ValueError, match="params must be SamplingParams, got dict"):
+        decoder.generate([[1]], [dict(max_tokens=3)])
+
+
+def test_a_drafter_that_does_not_fit_the_target_is_refused_naming_why():
+    """Each once failed deep inside the first step (a matmul of other dtypes or shapes, an index)."""
+    target, drafter = tiny_pair()
+    with pytest.raises(ValueError, match="the drafter is torch.bfloat16 on cpu, the target torch.float32"):
+        SpeculativeDecoder(target, DSparkDrafter(drafter.config).to(torch.bfloat16))
+    for change, words in [(dict(vocab_size=32), "vocab_size 32 does not match the target's 16"),
+                          (dict(hidden_size=64, head_dim=16), "hidden_size 64 does not match the target's 32"),
+                          (dict(target_layer_ids=[0, 5], num_target_layers=None), "out of range for a 3-layer")]:
+        other = DSparkDrafter(dataclasses.replace(drafter.config, **change))
+        with pytest.raises(ValueError, match=words):
+            SpeculativeDecoder(target, other)
+
+
+def test_an_eager_generate_frees_the_caches_and_the_target_runs_plainly_after_it():
+    """A plain forward after generate once failed (the caches were left: inference tensors, too
+    short, one row); the same forward gives the same logits as before."""
+    target, drafter = tiny_pair(vocab=64)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        before, _ = target(ids, torch.arange(12).expand(2, 12))
+    SpeculativeDecoder(target, drafter).generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=4))
+    assert target.max_seq_len is None and drafter.max_seq_len is None
+    with torch.no_grad():
+        after, _ = target(ids, torch.arange(12).expand(2, 12))
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("k", [0, 4])

@@ -108,6 +108,13 @@ def test_dtype_option_reaches_the_model_loader(monkeypatch):
         assert seen == {"dtype": want, "device": "cpu"}
 
 
+def test_more_prompts_than_the_set_holds_is_an_error_not_a_smaller_run(monkeypatch):
+    """--num-prompts 500 once evaluated the 80 held-out prompts without a word."""
+    monkeypatch.setattr(evaluation, "load_default", lambda **_: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match="--num-prompts 500: the heldout set has 80 prompts"):
+        evaluation.main(["--num-prompts", "500", "--device", "cpu"])
+
+
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--batch-size", "-1"], ["--num-prompts", "0"],
                                  ["--num-prompts", "-5"], ["-k", "-1"], ["--max-tokens", "0"],
                                  ["--temperatures", "0", "-1"], ["--temperatures", "nan"], ["--seed", "-1"]])

@@ -8,7 +8,9 @@ from dspark import generate
 
 @pytest.mark.parametrize("bad, words", [(["--max-tokens", "0"], "max_tokens"), (["--temperature", "nan"], "temperature"),
                                         (["--temperature", "inf"], "temperature"), (["--top-k", "-2"], "top_k"),
-                                        (["--top-p", "0"], "top_p"), (["-k", "-1"], "--num-speculative-tokens")])
+                                        (["--top-p", "0"], "top_p"), (["-k", "-1"], "--num-speculative-tokens"),
+                                        (["--device", "foo"], "'foo' is not a device"),  # once a traceback
+                                        (["--device", "cuda:99"], "CUDA devices")])
 def test_a_bad_option_exits_before_the_model_loads(bad, words, monkeypatch, capsys):
     """--max-tokens 0 once loaded SmolLM2 (15 s), then died with a traceback."""
     def load_models(args):

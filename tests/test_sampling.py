@@ -13,6 +13,7 @@ from dspark.sampling import SamplingParams, SamplingTensors, apply_filters
     # neither infinities, strings nor bools pass for numbers (inf once sampled uniformly)
     ("temperature", float("inf")), ("temperature", "1"), ("temperature", None), ("top_p", "0.5"),
     ("top_k", True), ("max_tokens", True), ("seed", True), ("stop_token_ids", [True]), ("ignore_eos", "no"),
+    ("stop", 5), ("stop_token_ids", 2), ("stop", {"a": 1}),  # once a TypeError from list()
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -526,7 +526,6 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
     compiled the target's forward and both losses again). The rnn head unrolls its state along the
     block inside the compiled loss."""
     config = training.TrainConfig(batch_size=4, num_anchors=6)
-    target.drop_caches()  # left by the sequences' generation; training runs plain causal forwards
     longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences]  # past one LENGTH_MULTIPLE
     results, graphs, lengths = {}, [], set()
     for compile in ("none", "all"):
@@ -558,7 +557,6 @@ def test_a_training_step_on_cuda_never_waits_for_the_device(target, sequences):
     statistics) queue work without a synchronizing call, so the host makes the next batch while the
     device computes; reading the statistics is the wait (the control: it fails under the same mode)."""
     target = copy.deepcopy(target).cuda()
-    target.drop_caches()
     config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False)
     students = training.make_students(target, tiny_drafter_config(target), config)
     batch = training.make_batch(sequences[:4], 0, config, 4)
@@ -579,7 +577,6 @@ def test_after_compile_ahead_no_training_step_compiles_again(target, sequences):
     of other students, on batches of every length up to its `longest`, compile nothing new. With one
     length (128) ahead, a batch of 704 compiled the drafter's loss again."""
     config = training.TrainConfig(batch_size=4, num_anchors=6, rank0_twin=False)
-    target.drop_caches()
     drafter_config = tiny_drafter_config(target)
     training.compile_ahead(target, drafter_config, config, longest=700, compile="all")
     graphs = counters["stats"]["unique_graphs"]

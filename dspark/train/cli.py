@@ -69,7 +69,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.data import Prompt, Sequence, heldout_prompts, render, self_distill, synthetic_prompts, training_prompts
-from dspark.loading import load_default_target, measuring_dtype
+from dspark.loading import device_arg, load_default_target, measuring_dtype
 from dspark.target import TargetModel
 from dspark.train.loop import FIT_AFTER_STEPS, train
 from dspark.train.resume import CHECKPOINT, refuse_overwrite
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="run folder: data cache, checkpoint, log, drafters")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop (checkpointed) before this many seconds have passed since start; leave a "
                         "minute of the calling limit for loading and the final save")

@@ -62,7 +62,6 @@ def train(target: TargetModel, drafter_config: DrafterConfig, sequences: list[Se
         raise ValueError("fit_schedule needs a TimeBudget with a deadline as `stop`")
     out.mkdir(parents=True, exist_ok=True)
     target.requires_grad_(False)
-    target.drop_caches()  # the self-distillation decoder left its KV caches
     students = make_students(target, drafter_config, config)
     followups = FollowUps(len(sequences), config.num_anchors) if config.followup_anchors else None
     checkpoint = out / CHECKPOINT
