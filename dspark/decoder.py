@@ -310,60 +310,65 @@ class SpeculativeDecoder:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-        stops = [self.stop_condition(p, prompt) for p, prompt in zip(params, prompts)]
-        results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
-
-        batch, device = len(prompts), self.device
         longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
         if longest > self.target.config.max_position_embeddings:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
                              f"max_position_embeddings {self.target.config.max_position_embeddings}")
         # Room for one step past the end: a request runs one step after the one that ends it (below).
-        rows, max_len = self._cache_shape(batch, longest + 2 * (self.k + 1))
+        rows, max_len = self._cache_shape(len(prompts), longest + 2 * (self.k + 1))
         with self._caches(rows, max_len):
-            sampling = SamplingTensors.from_params(params, device)
-            draft_probs = torch.zeros(batch, self.k, vocab, device=device)
+            return self._decode(prompts, params, on_tokens, cuda_graph)
 
-            anchor, start = self.prefill(prompts, sampling)
-            active = torch.ones(batch, dtype=torch.bool)
-            for i, token in enumerate(anchor.tolist()):
-                self._emit(i, [token], results, stops, active, on_tokens)
-            tokens = anchor[:, None].clone()
-            if self.drafter is not None:
-                drafts = self.draft(anchor, start, draft_probs, sampling)
-                tokens = torch.cat([tokens, drafts], dim=1)
-            if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
-                graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
+    def _decode(self, prompts: list[list[int]], params: list[SamplingParams], on_tokens,
+                cuda_graph: bool) -> list[GenerationResult]:
+        """generate's loop, in caches set up for the prompts: the prefill, then steps until every
+        request is finished."""
+        batch, device = len(prompts), self.device
+        stops = [self.stop_condition(p, prompt) for p, prompt in zip(params, prompts)]
+        results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
+        sampling = SamplingTensors.from_params(params, device)
+        draft_probs = torch.zeros(batch, self.k, self.target.config.vocab_size, device=device)
 
-                def step(*_):
-                    graph.replay()
-                    return graph_outputs
-            else:
-                step = self.step
+        anchor, start = self.prefill(prompts, sampling)
+        active = torch.ones(batch, dtype=torch.bool)
+        for i, token in enumerate(anchor.tolist()):
+            self._emit(i, [token], results, stops, active, on_tokens)
+        tokens = anchor[:, None].clone()
+        if self.drafter is not None:
+            drafts = self.draft(anchor, start, draft_probs, sampling)
+            tokens = torch.cat([tokens, drafts], dim=1)
+        if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
+            graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
 
-            outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
-            readback = None if outputs is None else Readback(*outputs[:2])
-            while outputs is not None:
-                emitted, num_accepted, next_tokens, next_start = outputs
-                readback.start(emitted, num_accepted)
-                # The next step's inputs, before this step's tokens are read: a row this step ends runs
-                # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
-                # same cache positions.
-                keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
-                tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
-                start.copy_(torch.where(keep, next_start, start))
-                queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
-                emitted_rows, accepted_counts = readback.lists()
-                for i in active.nonzero().flatten().tolist():
-                    n = accepted_counts[i]
-                    results[i].num_steps += 1
-                    taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
-                    for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
-                        results[i].accepted_per_position[pos] += 1
-                if not active.any():
-                    break
-                outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
-            return results
+            def step(*_):
+                graph.replay()
+                return graph_outputs
+        else:
+            step = self.step
+
+        outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
+        readback = None if outputs is None else Readback(*outputs[:2])
+        while outputs is not None:
+            emitted, num_accepted, next_tokens, next_start = outputs
+            readback.start(emitted, num_accepted)
+            # The next step's inputs, before this step's tokens are read: a row this step ends runs
+            # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
+            # same cache positions.
+            keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
+            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
+            start.copy_(torch.where(keep, next_start, start))
+            queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
+            emitted_rows, accepted_counts = readback.lists()
+            for i in active.nonzero().flatten().tolist():
+                n = accepted_counts[i]
+                results[i].num_steps += 1
+                taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
+                for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
+                    results[i].accepted_per_position[pos] += 1
+            if not active.any():
+                break
+            outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
+        return results
 
     @contextlib.contextmanager
     def _caches(self, rows: int, length: int):

