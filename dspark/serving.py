@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.generate import add_model_args as add_model_source_args
@@ -90,7 +91,9 @@ def build_decoder(args: argparse.Namespace, compile: bool):
 def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder) -> dict:
     """What build_decoder's compiled step and its static batch are specialized to, as a compile
     cache records it (dspark.compile.cache): a warm-up's cache fits only a server with these."""
-    return {"model": args.model or "default", "drafter": args.drafter,
+    resolved = {name: str(Path(value).resolve()) if value not in (None, "none") else value
+                for name, value in (("model", args.model), ("drafter", args.drafter))}  # ./m and m alike
+    return {"model": resolved["model"] or "default", "drafter": resolved["drafter"],
             "dtype": str(next(decoder.target.parameters()).dtype).removeprefix("torch."),
             "num_speculative_tokens": decoder.k,
             "rejection_sample_method": "block" if decoder.block_verify else "standard",

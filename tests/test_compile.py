@@ -135,6 +135,11 @@ def test_the_compile_cache_round_trips_and_names_a_mismatch(tmp_path):
         (tmp_path / "junk.bin").write_bytes(junk)
         with pytest.raises(ValueError, match="not a dspark compile cache"):
             load_compile_cache(tmp_path / "junk.bin", x.device)
+    cut = tmp_path / "cut.bin"  # as a warm-up killed while writing once left it: loaded as nothing, silently
+    cut.write_bytes(path.read_bytes()[:len(header) + 1 + 40])
+    with pytest.raises(ValueError, match="cut.bin: its compiled code does not load"):
+        load_compile_cache(cut, x.device, options)
+    assert not list(tmp_path.glob("*.tmp"))  # save_compile_cache wrote through a temporary file
 
 
 @torch.inference_mode()

@@ -137,13 +137,29 @@ def test_resume_refuses_other_settings_and_a_fresh_run_refuses_to_overwrite(targ
     state = torch.load(tmp_path / training.CHECKPOINT, weights_only=True)
     del state["train_config"]["followup_anchors"], state["followups"]
     torch.save(state, tmp_path / training.CHECKPOINT)
-    with pytest.raises(ValueError, match="followup_anchors"):
+    with pytest.raises(ValueError, match="--followup-anchors"):
         training.train(target, tiny_drafter_config(target), sequences, tmp_path,
                        dataclasses.replace(config, followup_anchors=0.5), resume=True)
     with pytest.raises(ValueError, match="at step 2: --steps 2 leaves nothing to train"):
         training.train(target, tiny_drafter_config(target), sequences, tmp_path, config, resume=True)
     training.train(target, tiny_drafter_config(target), sequences, tmp_path, dataclasses.replace(config, steps=3),
                    resume=True)
+
+
+def test_the_command_line_refuses_a_resume_with_other_options_before_any_data(target, sequences, tmp_path,
+                                                                              monkeypatch):
+    """--resume --batch-size 4 on a run of batch 2 once failed with a traceback after the data's
+    generation and the step's compilation (minutes on the GPU), naming a field, not the flag."""
+    given = ["--out", str(tmp_path), "--resume", "--device", "cpu", "--steps", "2", "--num-anchors", "4",
+             "--no-rank0-twin"]
+    training.train(target, tiny_drafter_config(target), sequences, tmp_path,
+                   cli.parse_args([*given, "--batch-size", "2"]).config)
+    monkeypatch.setattr(cli, "load_training_target", lambda args: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(cli.multiprocessing, "get_context", lambda _: pytest.fail("data was generated"))
+    with pytest.raises(SystemExit, match=r"other --batch-size \(2, now 4\):"):
+        cli.main([*given, "--batch-size", "4"])
+    with pytest.raises(SystemExit, match="at step 2: --steps 2 leaves nothing to train"):
+        cli.main([*given, "--batch-size", "2"])
 
 
 def test_resume_with_a_tied_target_whose_lm_head_is_its_embedding(sequences, tmp_path):
@@ -238,10 +254,19 @@ def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
     for bad in (["--stop-at", "0"], ["--steps", "100", "--stop-at", "200", "--heldout-every", "100"],
                 ["--stop-at", "20", "--heldout-every", "20", "--fit-steps", "--time-budget-s", "60"],
                 ["--stop-at", "30", "--heldout-every", "20"],  # would end without a held-out estimate
-                ["--log-every", "0"], ["--batch-size", "0"], ["--heldout-every", "0"], ["--heldout-prompts", "-1"]):
+                ["--log-every", "0"], ["--batch-size", "0"], ["--heldout-every", "0"], ["--heldout-prompts", "-1"],
+                ["--steps", "200", "--fit-steps", "--time-budget-s", "60"]):  # the fit comes after step 220
         with pytest.raises(SystemExit):
             training.parse_args(["--out", "x", *bad])
     assert training.parse_args(["--out", "x", "--stop-at", "30", "--heldout-prompts", "0"]).stop_at == 30
+
+
+def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+    """It once ran the compilation, then failed in the data's process with a traceback."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        training.parse_args(["--out", str(tmp_path / "file")])
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--grad-clip", "-1"), ("--grad-clip", "0"), ("--decay-gamma", "0"),

@@ -11,6 +11,7 @@ raises an error that names what differs.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -33,9 +34,11 @@ def save_compile_cache(path: Path, device: torch.device, options: dict | None = 
     artifacts, _ = saved
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
+    tmp = path.with_name(path.name + ".tmp")  # a warm-up killed while writing leaves no cut file behind
+    with tmp.open("wb") as f:
         f.write(json.dumps(compiled_for(device, options)).encode() + b"\n")
         f.write(artifacts)
+    os.replace(tmp, path)
     return len(artifacts)
 
 
@@ -56,4 +59,9 @@ def load_compile_cache(path: Path, device: torch.device, options: dict | None = 
         raise ValueError(f"{path} holds code compiled for other {', '.join(differ)} (the file's, this "
                          f"process's: {differ}): run python -m dspark.compile.warmup with this process's "
                          f"options to make one")
-    torch.compiler.load_cache_artifacts(artifacts)
+    try:
+        loaded = torch.compiler.load_cache_artifacts(artifacts)
+    except Exception as error:  # noqa: BLE001 - torch's deserializer raises many kinds
+        raise ValueError(f"{path}: its compiled code does not load ({type(error).__name__}: {error})") from None
+    if loaded is None:  # torch only logs a warning for bytes it cannot read
+        raise ValueError(f"{path}: its compiled code does not load (cut or damaged): run the warm-up again")

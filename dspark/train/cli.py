@@ -46,7 +46,8 @@ weights, the batch order and the anchors are functions of (seed, step, follow-up
 continues exactly as an uninterrupted one.
 Only --steps may change on resume (to fit the schedule to the time left): the cosine decay then
 follows the new total from the current step on.
-At every checkpoint and on every exit the current weights are also written in DeepSpec's format,
+At every checkpoint and at the run's end (its steps done, or stopped by the time budget or
+--stop-at; not when the process is killed) the current weights are also written in DeepSpec's format,
 in bfloat16, to OUT/drafter (and OUT/drafter-rank0 for the rank-0 twin, trained on the same
 batches without a Markov head, to measure what the head adds).
 
@@ -72,7 +73,7 @@ from dspark.data import Prompt, Sequence, heldout_prompts, render, self_distill,
 from dspark.loading import device_arg, load_default_target, measuring_dtype
 from dspark.target import TargetModel
 from dspark.train.loop import FIT_AFTER_STEPS, train
-from dspark.train.resume import CHECKPOINT, refuse_overwrite
+from dspark.train.resume import CHECKPOINT, check_resumable, refuse_overwrite
 from dspark.train.recipe import TrainConfig, default_drafter_config
 from dspark.train.schedule import TimeBudget
 from dspark.train.step import COMPILE_MODES, compile_ahead
@@ -101,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-at", type=int, default=None,
                    help="end after this many steps of the --steps schedule: a probe of a recipe, whose "
                         "learning rate is the whole schedule's at every step (--resume continues it)")
-    p.add_argument("--smoke", action="store_true", help="a few steps on tiny data, to check the pipeline")
+    p.add_argument("--smoke", action="store_true", help="a few steps on tiny data on the CPU, to check the pipeline (sets the device, "
+                        "steps, batch, data and held-out sizes itself)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
@@ -155,6 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--time-budget-s must be a finite number > 0, got {args.time_budget_s}")
     if args.fit_steps and args.time_budget_s is None:
         p.error("--fit-steps needs --time-budget-s")
+    if args.fit_steps and args.steps <= FIT_AFTER_STEPS:
+        p.error(f"--fit-steps fits the schedule after step {FIT_AFTER_STEPS}: --steps {args.steps} ends before")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file, not a folder")
     if args.stop_at is not None:
         if args.fit_steps or not 1 <= args.stop_at <= args.steps:
             p.error(f"--stop-at needs a step of the --steps schedule (1..{args.steps}, not --fit-steps), "
@@ -228,10 +234,13 @@ def heldout_sequences(target: TargetModel, tokenizer, prompts: list[Prompt], pat
 def main(argv=None) -> None:
     started = time.monotonic()
     args = parse_args(argv)
-    try:  # before the data and the compilation (train() checks again)
-        refuse_overwrite(args.out / CHECKPOINT, args.resume)
-    except FileExistsError as error:
-        raise SystemExit(str(error)) from None
+    checkpoint = args.out / CHECKPOINT
+    try:  # before the data and the compilation (train() checks again, the drafter's config too)
+        refuse_overwrite(checkpoint, args.resume)
+        if args.resume and checkpoint.exists():
+            check_resumable(checkpoint, args.config)
+    except (FileExistsError, ValueError) as error:
+        raise SystemExit(f"python -m dspark.train: {error}") from None
     deadline = None if args.time_budget_s is None else started + args.time_budget_s
     config = args.config
     # The data is generated in a process of its own while this one compiles the training step; a

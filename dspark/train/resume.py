@@ -44,24 +44,40 @@ def save_checkpoint(path: Path, step: int, students: list[Student], config: Trai
     os.replace(tmp, path)
 
 
+def check_resumable(path: Path, config: TrainConfig, drafter_config: DrafterConfig | None = None,
+                    state: dict | None = None) -> dict:
+    """The checkpoint's state (read from `path` onto the CPU unless given); ValueError if it was
+    trained with another recipe (naming the flags that differ) or drafter, or is at --steps already.
+    The command line calls it before generating data and compiling; load_checkpoint again, with
+    the drafter's config."""
+    state = torch.load(path, map_location="cpu", weights_only=True) if state is None else state
+    recipe = dataclasses.asdict(config)
+    saved = {**state["train_config"], "steps": recipe["steps"]}  # may change: the schedule follows the new total
+    saved.setdefault("followup_anchors", 0.0)  # saved before the option: uniform anchors
+    changed = [f"--{k.replace('_', '-')} ({saved.get(k)!r}, now {recipe[k]!r})"  # the fields are the flags
+               for k in recipe if saved.get(k) != recipe[k]]
+    if changed:
+        raise ValueError(f"{path} was trained with other {', '.join(changed)}: resume with the same options "
+                         "or use another --out")
+    if drafter_config is not None and state["drafter_config"] != drafter_config.to_dict():
+        ours = drafter_config.to_dict()
+        changed = sorted(k for k in ours if state["drafter_config"].get(k) != ours[k])
+        raise ValueError(f"{path} was trained with another drafter (differs in {changed}); resume with the "
+                         "same options or use another --out")
+    if state["step"] >= config.steps:
+        raise ValueError(f"{path} is at step {state['step']}: --steps {config.steps} leaves nothing to train")
+    return state
+
+
 def load_checkpoint(path: Path, students: list[Student], config: TrainConfig,
                     drafter_config: DrafterConfig, data: dict[str, int], followups: FollowUps | None = None) -> int:
     """Restores the students (and the follow-ups) from `path` and returns the step to continue from;
-    ValueError if it was trained with another recipe or drafter, or on other data."""
+    ValueError if it was trained with another recipe or drafter (check_resumable), or on other data."""
     state = torch.load(path, map_location=students[0].drafter.fc.weight.device, weights_only=True)
-    recipe = dataclasses.asdict(config)
-    state["train_config"]["steps"] = recipe["steps"]  # may change: the schedule follows the new total
-    state["train_config"].setdefault("followup_anchors", 0.0)  # saved before the option: uniform anchors
-    for key, ours in (("train_config", recipe), ("drafter_config", drafter_config.to_dict())):
-        if state[key] != ours:
-            changed = sorted(k for k in ours if state[key].get(k) != ours[k])
-            raise ValueError(f"{path} was trained with another {key} (differs in {changed}); "
-                             "resume with the same settings or use another --out")
+    check_resumable(path, config, drafter_config, state)
     if state.get("data", data) != data:  # checkpoints before the signature: not checked
         raise ValueError(f"{path} was trained on other data ({state['data']}; now {data}): resume with the "
                          "same generation options, or use another --out")
-    if state["step"] >= config.steps:
-        raise ValueError(f"{path} is at step {state['step']}: --steps {config.steps} leaves nothing to train")
     for student in students:
         student.load_state_dict(state["students"][student.name])
     if followups is not None:
