@@ -7,6 +7,7 @@ the real recipe) repeat n-grams of its near-deterministic transitions.
 import copy
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -259,6 +260,21 @@ def test_the_command_line_refuses_counts_that_would_fail_later_or_quietly():
         with pytest.raises(SystemExit):
             training.parse_args(["--out", "x", *bad])
     assert training.parse_args(["--out", "x", "--stop-at", "30", "--heldout-prompts", "0"]).stop_at == 30
+
+
+def test_target_layer_ids_beyond_the_target_exit_naming_them(target, tmp_path, monkeypatch):
+    """They once ended the command in a traceback (DrafterConfig's ValueError)."""
+    class Idle:  # the data's process, never started here
+        def __init__(self, **_):
+            pass
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(cli, "load_training_target", lambda args: (target, SimpleNamespace(token_to_id=lambda _: 3)))
+    monkeypatch.setattr(cli.multiprocessing, "get_context", lambda _: SimpleNamespace(Process=Idle))
+    with pytest.raises(SystemExit, match=r"python -m dspark.train: target_layer_ids \[0, 9\] are out of range"):
+        cli.main(["--out", str(tmp_path), "--device", "cpu", "--target-layer-ids", "0,9"])
 
 
 def test_an_out_that_is_a_file_is_refused_naming_it(tmp_path, capsys):

@@ -252,8 +252,11 @@ def main(argv=None) -> None:
     mask_token_id = tokenizer.token_to_id(MASK_TOKEN)
     if mask_token_id is None:
         raise ValueError(f"the target's tokenizer has no {MASK_TOKEN!r} token to use as the mask token")
-    drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
-                                            args.markov_rank, args.target_layer_ids, args.markov_head_type)
+    try:
+        drafter_config = default_drafter_config(target.config, mask_token_id, args.num_layers, args.block_size,
+                                                args.markov_rank, args.target_layer_ids, args.markov_head_type)
+    except ValueError as error:  # e.g. --target-layer-ids beyond the target's layers
+        raise SystemExit(f"python -m dspark.train: {error}") from None
     compile_ahead(target, drafter_config, config, args.max_prompt_tokens + args.max_tokens, args.compile)
     print(f"training step compiled at {time.monotonic() - started:.0f} s")
     generation.join()
