@@ -102,8 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-at", type=int, default=None,
                    help="end after this many steps of the --steps schedule: a probe of a recipe, whose "
                         "learning rate is the whole schedule's at every step (--resume continues it)")
-    p.add_argument("--smoke", action="store_true", help="a few steps on tiny data on the CPU, to check the pipeline (sets the device, "
-                        "steps, batch, data and held-out sizes itself)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few steps on tiny data on the CPU, to check the pipeline (sets the device, steps, "
+                        "batch, data and held-out sizes itself)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
