@@ -739,7 +739,8 @@ def test_bad_server_options_exit_naming_them(default_tokenizer, tmp_path):
     busy.close()
 
 
-@pytest.mark.parametrize("model, name", [(None, "SmolLM2-135M-Instruct"), ("m/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),
+@pytest.mark.parametrize("model, name", [(None, "SmolLM2-135M-Instruct"),
+                                         ("m/Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),
                                          ("m/Qwen2.5-0.5B-Instruct/", "Qwen2.5-0.5B-Instruct"),
                                          ("m/SmolLM2-135M.Q4_1.GGUF", "SmolLM2-135M.Q4_1")])
 def test_the_served_name_is_the_models_folder_or_file_name(model, name):
