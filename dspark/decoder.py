@@ -291,25 +291,24 @@ class SpeculativeDecoder:
         this call (CUDA only; the same tokens as eager steps)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
+        vocab = self.target.config.vocab_size
         for i, prompt in enumerate(prompts):
             if not (isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt)):
                 raise ValueError(f"prompt {i} must be a list of token ids (ints), got {prompt!r:.80}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a CUDA device, the decoder is on {self.device}")
         params = SamplingParams() if params is None else params
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
-        if bad is not None:
-            raise ValueError(f"params must be SamplingParams, got {type(bad).__name__} {bad!r:.80}")
-        vocab = self.target.config.vocab_size
-        for i, p in enumerate(prompts):
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        stray = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if stray is not None:
+            raise ValueError(f"params must be SamplingParams, got {type(stray).__name__} {stray!r:.80}")
         longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
         if longest > self.target.config.max_position_embeddings:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "

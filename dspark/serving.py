@@ -91,9 +91,10 @@ def build_decoder(args: argparse.Namespace, compile: bool):
 def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder) -> dict:
     """What build_decoder's compiled step and its static batch are specialized to, as a compile
     cache records it (dspark.compile.cache): a warm-up's cache fits only a server with these."""
-    resolved = {name: str(Path(value).resolve()) if value not in (None, "none") else value
-                for name, value in (("model", args.model), ("drafter", args.drafter))}  # ./m and m alike
-    return {"model": resolved["model"] or "default", "drafter": resolved["drafter"],
+    def resolved(path: str | None) -> str | None:  # ./m and m alike
+        return path if path in (None, "none") else str(Path(path).resolve())
+
+    return {"model": resolved(args.model) or "default", "drafter": resolved(args.drafter),
             "dtype": str(next(decoder.target.parameters()).dtype).removeprefix("torch."),
             "num_speculative_tokens": decoder.k,
             "rejection_sample_method": "block" if decoder.block_verify else "standard",

@@ -106,10 +106,6 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
     if stop is not None and not (isinstance(stop, str) or
                                  (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
         raise BadRequest(f"stop must be a string or a list of strings, got {stop!r:.80}", "stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
-                         f"got {len(stops)} of up to {max(map(len, stops))}", "stop")
     stop_token_ids = body.get("stop_token_ids")
     stop_token_ids = [] if stop_token_ids is None else stop_token_ids
     if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -122,10 +118,14 @@ def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) ->
                   seed=_number(body, "seed", None, int, -2**63, 2**63 - 1),
                   max_tokens=_number(body, key, default_max_tokens, int, 1))
     try:
-        return SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
-                              ignore_eos=bool(body.get("ignore_eos")))
+        params = SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
+                                ignore_eos=bool(body.get("ignore_eos")))
     except ValueError as error:  # SamplingParams' message starts with the field's name (e.g. "top_p must be ...")
         raise BadRequest(str(error), str(error).split()[0]) from error
+    if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
+                         f"got {len(params.stop)} of up to {max(map(len, params.stop))}", "stop")
+    return params
 
 
 def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:

@@ -59,9 +59,9 @@ def check_resumable(path: Path, config: TrainConfig, drafter_config: DrafterConf
     if changed:
         raise ValueError(f"{path} was trained with other {', '.join(changed)}: resume with the same options "
                          "or use another --out")
-    if drafter_config is not None and state["drafter_config"] != drafter_config.to_dict():
-        ours = drafter_config.to_dict()
-        changed = sorted(k for k in ours if state["drafter_config"].get(k) != ours[k])
+    ours = {} if drafter_config is None else drafter_config.to_dict()
+    changed = sorted(k for k in ours if state["drafter_config"].get(k) != ours[k])
+    if changed:
         raise ValueError(f"{path} was trained with another drafter (differs in {changed}); resume with the "
                          "same options or use another --out")
     if state["step"] >= config.steps:
