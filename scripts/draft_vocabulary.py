@@ -41,7 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=256, help="training prompts whose responses rank the tokens")
     p.add_argument("--cache-dir", type=Path, default=Path("draft-vocabulary"), help="the responses, generated once")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the target's (bfloat16: about 3x as fast)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="the target's dtype")
     args = p.parse_args()
     target, tokenizer = load_default_target(dtype=DTYPES[args.dtype], device="cpu")
     target.eval()
