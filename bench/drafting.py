@@ -21,7 +21,7 @@ the one before left there). Variants, in one process:
   matrix W2 read once per position, the base logits read once, the float32 biased logits written
   and read back once, the float32 proposals written once.
 
-    python bench/drafting.py --out docs/drafting.md      # H200: B = 1, 8, 44, 88; K = 7; V = 200064
+    python bench/drafting.py --out table.md             # H200: B = 1, 8, 44, 88; K = 7; V = 200064
     python bench/drafting.py --tiles 64x16 256x32        # also these step tilings
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
     python bench/drafting.py --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks

@@ -74,6 +74,9 @@ def test_greedy_drafts_without_rejection_sampling_are_lossless_and_plain_decodin
     assert SpeculativeDecoder(target, None).generate([[3, 1, 4]], params)[0].tokens == expected
     greedy_drafts = SpeculativeDecoder(target, drafter, use_rejection_sampling=False)
     assert greedy_drafts.generate([[3, 1, 4]], params)[0].tokens == expected
+    no_drafts = SpeculativeDecoder(target, drafter, num_speculative_tokens=0)  # K = 0 with a drafter: none
+    result = no_drafts.generate([[3, 1, 4]], params)[0]
+    assert (result.tokens, result.accepted_per_position, no_drafts.drafter) == (expected, [], None)
 
 
 @torch.inference_mode()
@@ -149,6 +152,32 @@ class MisstatedProposals(SpeculativeDecoder):
         drafts = super().draft(anchor, start, draft_probs, sampling)
         draft_probs.fill_(1.0 / draft_probs.shape[-1])
         return drafts
+
+
+class RecordedProposals(SpeculativeDecoder):
+    """Keeps every draft block and the proposals stored for it."""
+
+    def draft(self, anchor, start, draft_probs, sampling):
+        drafts = super().draft(anchor, start, draft_probs, sampling)
+        self.recorded.append((drafts.clone(), draft_probs.clone()))
+        return drafts
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_greedy_drafts_at_temperature_one_are_lossless_with_one_hot_proposals(method):
+    """use_rejection_sampling=False at T = 1: the argmax chain, stated as one-hot proposals, and the
+    output still the target's law (the same test and power as the cases above)."""
+    target, drafter = tiny_pair()
+    prompt = [3, 7, 1]
+    law = target_joint_law(target, prompt, 1.0, 1.0)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    decoder = RecordedProposals(target, drafter, num_speculative_tokens=4, rejection_sample_method=method,
+                                use_rejection_sampling=False)
+    decoder.recorded = []
+    assert_matches(sample_first_three(decoder, prompt, params, N_DRAWS), law, f"{method} greedy drafts")
+    vocab = target.config.vocab_size
+    for drafts, proposals in decoder.recorded:
+        assert torch.equal(proposals, torch.nn.functional.one_hot(drafts, vocab).float())
 
 
 @pytest.mark.parametrize("method", ["standard", "block"])
@@ -279,6 +308,9 @@ def test_bad_arguments_raise():
     for k in (2.0, True, -1):
         with pytest.raises(ValueError, match="num_speculative_tokens must be an int"):
             SpeculativeDecoder(target, drafter, num_speculative_tokens=k)
+    assert SpeculativeDecoder(target, drafter, max_draft_len=2).k == 2  # TensorRT-LLM's name
+    with pytest.raises(ValueError, match="num_speculative_tokens=2 and its alias max_draft_len=3 disagree"):
+        SpeculativeDecoder(target, drafter, num_speculative_tokens=2, max_draft_len=3)
     decoder = SpeculativeDecoder(target, drafter)
     with pytest.raises(ValueError, match="0 SamplingParams for 1 prompts"):  # [] once meant the defaults
         decoder.generate([[1]], [])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, load_default
+from test_decoder import target_greedy as greedy_continuation
 
 NEW_TOKENS = 16
 
@@ -28,14 +29,7 @@ def prompt(default_pair):
 
 @pytest.fixture(scope="module")
 def target_greedy(default_pair, prompt):
-    """The target's own greedy continuation: one full forward per token, no cache, no decoder."""
-    target, _, _ = default_pair
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None])
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return greedy_continuation(default_pair[0], prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

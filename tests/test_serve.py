@@ -24,6 +24,7 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.decoder import StopCondition
+from dspark.checkpoint import save_drafter
 from dspark.compile.cache import save_compile_cache
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.metrics import prometheus_text
@@ -295,9 +296,8 @@ def test_a_stop_string_ends_the_text_before_it(server):
     body = {"prompt": "Count: 1 2 3", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     _, free = call(server, "/v1/completions", body)
     text = free["choices"][0]["text"]
-    stop = text[len(text) // 2: len(text) // 2 + 2]
-    if not stop.strip():
-        pytest.skip("the tiny model's text has no printable stop candidate")  # not expected with seed 0
+    middle = len(text) // 2  # the first two printable characters from the middle on
+    stop = next(text[i:i + 2] for i in range(middle, len(text) - 1) if text[i:i + 2].strip())
     _, cut = call(server, "/v1/completions", {**body, "stop": [stop]})
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["text"] == text[:text.find(stop)]
@@ -385,6 +385,15 @@ def test_a_string_prompt_gets_the_models_own_special_tokens():
             return [0, 7] if add_special_tokens else [7]
 
     assert parse_completion({"prompt": "hi"}, AddsBos())[0] == [0, 7]
+
+
+def test_every_sampling_field_of_a_request_reaches_its_sampling_params():
+    body = {"prompt": [5, 6], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3,
+            "max_tokens": 7, "stop": "x", "stop_token_ids": [2], "ignore_eos": True}
+    params = parse_completion(body, tokenizer=None)[1]
+    assert params == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=7,
+                                    stop="x", stop_token_ids=[2], ignore_eos=True)
+    assert parse_completion({**body, "top_k": -1}, tokenizer=None)[1].top_k == 0  # vLLM's "off"
 
 
 def test_chat_text_parts_are_joined_by_newlines_and_developer_is_system(default_tokenizer):
@@ -707,6 +716,29 @@ def test_without_speculation_the_response_reports_none():
 def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     with pytest.raises(SystemExit, match=words):
         speculative_config(text)
+
+
+@pytest.mark.parametrize("spec, k, block, greedy_drafts", [
+    ("{}", 3, False, False),  # the drafter's block size, vLLM's defaults
+    ('{"max_draft_len": 2, "rejection_sample_method": "block"}', 2, True, False),
+    ('{"num_speculative_tokens": 1, "use_rejection_sampling": false}', 1, False, True),
+    ('{"draft_sample_method": "greedy"}', 3, False, True),
+    ('{"model": "none"}', 0, False, False)])
+def test_the_speculative_config_reaches_the_decoder(default_tokenizer, tmp_path, spec, k, block, greedy_drafts):
+    from test_checkpoint import make_drafter
+    from test_loading import make_model, save_hf
+    target = make_model(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0)
+    save_hf(target, tmp_path / "target")
+    default_tokenizer.backend.save(str(tmp_path / "target" / "tokenizer.json"))
+    save_drafter(make_drafter(target), tmp_path / "drafter")  # block size 3
+    spec = json.loads(spec)
+    spec.setdefault("model", str(tmp_path / "drafter"))
+    args = serve_main.parse_args(["--model", str(tmp_path / "target"), "--device", "cpu", "--dtype", "float32",
+                                  "--speculative-config", json.dumps(spec)])
+    decoder, _ = build_decoder(args, compile=False)
+    assert (decoder.k, decoder.block_verify, decoder.greedy_drafts) == (k, block, greedy_drafts)
+    assert (decoder.drafter is None) == (k == 0)
 
 
 def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(default_tokenizer, tmp_path):

@@ -78,9 +78,12 @@ def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr
         z_arg = tl.where(chunk_z > z_max, start + tl.argmax(z, 0), z_arg)
         t_arg = tl.where(chunk_t > t_max, start + tl.argmax(t, 0), t_arg)
         new_z, new_t = tl.maximum(z_max, chunk_z), tl.maximum(t_max, chunk_t)
-        z_sum = z_sum * tl.exp(z_max - new_z) + tl.sum(tl.exp(z - new_z), 0)
-        e = tl.exp(t - new_t)
-        rescale = tl.exp(t_max - new_t)
+        # While every value so far is -inf, exponentiate against 0: -inf - -inf would be NaN.
+        pivot_z = tl.where(new_z == float("-inf"), 0.0, new_z)
+        pivot_t = tl.where(new_t == float("-inf"), 0.0, new_t)
+        z_sum = z_sum * tl.exp(z_max - pivot_z) + tl.sum(tl.exp(z - pivot_z), 0)
+        e = tl.exp(t - pivot_t)
+        rescale = tl.exp(t_max - pivot_t)
         t_sum = t_sum * rescale + tl.sum(e, 0)
         cross = cross * rescale + tl.sum(e * (tl.where(ok, t, 0.0) - tl.where(ok, z, 0.0)), 0)  # no inf - inf
         z_max, t_max = new_z, new_t
@@ -132,10 +135,11 @@ def launch_distill_loss(wrap, logits, bias, target_logits, labels, weights, term
 
 
 def _log_probs(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: torch.Tensor, labels: torch.Tensor):
-    """z = logits + bias in float32, log q, log p and the picked tokens [M, 2] (the label, the target's argmax)."""
+    """z = logits + bias in float32, log q, log p and the picked tokens [M, 2]: the label and the target's
+    argmax, taken of its logits as the kernel takes it (log_softmax can round near-maxima into a tie)."""
     z = logits.float() if bias is None else logits.float() + bias.float()
     log_q, log_p = z.log_softmax(-1), target_logits.float().log_softmax(-1)
-    return z, log_q, log_p, torch.stack([labels, log_p.argmax(-1)], dim=-1)
+    return z, log_q, log_p, torch.stack([labels, target_logits.float().argmax(-1)], dim=-1)
 
 
 def _terms(log_q: torch.Tensor, log_p: torch.Tensor, picks: torch.Tensor,

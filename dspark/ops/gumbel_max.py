@@ -27,7 +27,9 @@ biased logits in float32, because nothing else could recompute its product bit f
 tokens, each merging the units into groups and into the row's statistics) runs the two races (the
 winning group's logits read again), writes the token and gathers the next Markov embedding, and
 writes the position's proposal softmax(x) into `draft_probs`, reading the logits as the step did:
-the base logits and the bias, or the biased logits the step wrote, with the same rounding. So the
+the base logits and the bias, or the biased logits the step wrote, with the same rounding (but for
+the last float32 bit of x - max, which the GPU compiler contracts into one FMA, below exp's own
+error). So the
 seed's float32 biased logits, written by the step and read back by a proposal pass after the block,
 are neither written nor read when the bias is given: per token and position the step reads the base
 logits and the bias, the pick reads them again (mostly from L2, where the step left them) and writes

@@ -1,4 +1,6 @@
-"""Counter-based Philox4x32-10 noise, in Triton and in plain torch, bit for bit the same.
+"""Counter-based Philox4x32-10 noise, in Triton and in plain torch: the words and uniforms bit for bit
+the same, the exponentials to a float32 ulp or so (the GPU contracts the series into FMAs and divides
+approximately; the interpreter computes with numpy).
 
 One evaluation is keyed by the request's `seed` (the Philox key) and a 128-bit counter
 `(c0, stream, offset_lo, offset_hi)`, and gives four 32-bit output words. `stream` tells the uses apart

@@ -187,7 +187,8 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_str
     total = tl.load(chunk_sum_ptr + tile, mask=in_tile, other=0.0)
     m, best = tl.max(top, 1, return_indices=True, return_indices_tie_break_left=True)
     lse = m + tl.log(tl.sum(tl.where(top > float("-inf"), total * tl.exp(top - m[:, None]), 0.0), 1))
-    argmax = tl.load(chunk_arg_ptr + row * NUM_CHUNKS + best, mask=is_row, other=0)
+    # chunk_arg holds greedy rows' argmaxes only (the statistics kernel writes no other)
+    argmax = tl.load(chunk_arg_ptr + row * NUM_CHUNKS + best, mask=tl.where(greedy, is_row, False), other=0)
     tl.store(lse_ptr + row, lse, mask=is_row)
     tl.store(argmax_ptr + row, argmax, mask=is_row)
 

@@ -35,3 +35,22 @@ def test_kernel_matches_torch(with_bias, chunk):
     for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert got[1][3] < 1e-5 and got[2][3] == 1.0
+
+
+def test_kernel_matches_torch_on_masked_chunks_and_near_ties():
+    """A first chunk of -inf draft logits (once NaN for the whole row: -inf - -inf in the running sum) and a
+    target maximum 1e-7 above the rest (once another argmax on the CPU: log_softmax rounds it to a tie)."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 2, 200
+    logits, target_logits = torch.randn(rows, vocab, generator=g), torch.randn(rows, vocab, generator=g)
+    logits[0, :64] = float("-inf")
+    target_logits[1] = 0.0
+    target_logits[1, 5] = 1e-7
+    logits[1, 5] = 10.0
+    labels = torch.tensor([70, 5])
+    got = run_kernel(logits, None, target_logits, labels, WEIGHTS, 64)
+    want = distill_loss_torch(logits, None, target_logits, labels, *WEIGHTS)
+    for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):  # row 0's KL term is inf in both
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert got[1].isfinite().all() and got[3].isfinite().all()
+    assert got[2][1] == 1.0  # the draft's argmax is the target's
