@@ -29,9 +29,8 @@ from tqdm import tqdm
 from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
 from dspark.decoder import VERIFY_METHODS, GenerationResult, SpeculativeDecoder
-from dspark.generate import DTYPES
 from dspark.drafter import DSparkDrafter
-from dspark.loading import device_arg, load_default, load_default_target, measuring_dtype
+from dspark.loading import DTYPES, device_arg, load_default, load_default_target, measuring_dtype
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer

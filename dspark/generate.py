@@ -13,11 +13,9 @@ import torch
 
 from dspark.checkpoint import load_drafter
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.loading import device_arg, fast_dtype, load_default, load_gguf, load_target
+from dspark.loading import DTYPES, device_arg, fast_dtype, load_default, load_gguf, load_target
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder, Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -38,6 +38,9 @@ def device_arg(text: str) -> str:
     return text
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype's choices
+
+
 def fast_dtype(device: str | torch.device) -> torch.dtype:
     """The dtype the server and `python -m dspark.generate` run in by default (dspark.eval and
     dspark.train keep float32 on the CPU, for exact figures): bfloat16 on CUDA and on CPUs with oneDNN

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.ops.temperature import scaled
+
 MAX_SEED = 2**63  # seeds are int64 Philox keys: [-MAX_SEED, MAX_SEED), as vLLM takes them
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
@@ -118,9 +120,7 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """
     B, N, V = logits.shape
     greedy = temperature == 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / t.view(B, 1, 1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_logits, order = scaled(logits, temperature).sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
 
     rank = torch.arange(V, device=logits.device)

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark.data import Sequence, render, self_distill, training_prompts
-from dspark.generate import DTYPES
-from dspark.loading import load_default_target
+from dspark.loading import DTYPES, load_default_target
 from dspark.train import parse_args as training_args
 
 from heldout import heldout_responses

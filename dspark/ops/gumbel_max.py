@@ -60,6 +60,7 @@ from dspark.ops.checks import check_rows
 from dspark.ops.fastmath import fast_divide, fast_exp
 from dspark.ops.philox import (STREAM_DRAFT, STREAM_DRAFT_GROUP, token_exponentials,
                                token_exponentials_torch)
+from dspark.ops.temperature import scaled
 
 GROUP_SIZE = 1024  # tokens per group of the two-level race (part of the draw's definition)
 STEP_TILES = (1024, 1)  # default (block_v, block_b) of the step op: one row per program
@@ -263,12 +264,6 @@ def step_warps(block_v: int, block_b: int, low_rank: bool) -> int:
     if low_rank:
         return 4 if block_b * block_v <= 4096 else 8
     return min(8, max(1, block_b * block_v // 1024))
-
-
-def scaled(x: Tensor, temperature: Tensor) -> Tensor:
-    """x * (1 / T) as the kernels round it (greedy rows: T counts as 1); x [B, ...]."""
-    inverse = 1.0 / torch.where(temperature == 0, 1.0, temperature)
-    return x * inverse.view(-1, *[1] * (x.dim() - 1))
 
 
 def low_rank_bias(v: Tensor, w2: Tensor) -> Tensor:

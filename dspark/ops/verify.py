@@ -37,6 +37,7 @@ from dspark.ops.checks import check_rows
 from dspark.ops.fastmath import fast_divide
 from dspark.ops.philox import (STREAM_ACCEPT, STREAM_TARGET, single_uniform, single_uniform_torch,
                                token_exponentials, token_exponentials_torch)
+from dspark.ops.temperature import scaled
 
 CHUNK = 4096  # vocabulary columns per program of the statistics passes
 RESAMPLE_CHUNK = 1024  # and of the resample, whose Philox noise is compute-bound: more, smaller programs
@@ -47,12 +48,10 @@ TARGET_STREAM = tl.constexpr(STREAM_TARGET)
 # ---------------------------------------------------------------- torch
 
 def _scaled(target_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """target_logits [B, N, V], temperature [B] -> [B, N, V]: logits / T in float32, computed as
-    logits * (1 / T) (the kernels round it the same way), with NaN as -inf; greedy rows (T = 0)
-    keep their logits."""
-    inverse = 1.0 / torch.where(temperature > 0, temperature, 1.0)
-    scaled = target_logits.float() * inverse.view(-1, 1, 1)
-    return scaled.masked_fill(scaled.isnan(), float("-inf"))
+    """target_logits [B, N, V], temperature [B] -> [B, N, V]: logits / T in float32 (ops.temperature),
+    with NaN as -inf."""
+    x = scaled(target_logits.float(), temperature)
+    return x.masked_fill(x.isnan(), float("-inf"))
 
 
 def _race_argmax(weights: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
