@@ -221,6 +221,17 @@ class SpeculativeDecoder:
         runs asynchronously; on the CPU nothing would overlap, and the last step queued is wasted."""
         return self.device.type == "cuda"
 
+    def check_prompt(self, prompt, name: str = "the prompt") -> None:
+        """Raises ValueError, naming `name`, unless `prompt` is a non-empty list of the target's token ids."""
+        if not (isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt)):
+            raise ValueError(f"{name} must be a list of token ids (ints), got {prompt!r:.80}")
+        if not prompt:
+            raise ValueError(f"{name} is empty: it needs at least one token")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
+
     def stop_condition(self, params: SamplingParams, prompt: Sequence[int] = ()) -> StopCondition:
         """The stop condition of a request: its stops, max_tokens, and the model's EOS tokens; stop
         strings are looked for in the text the tokens add to `prompt`'s."""
@@ -291,15 +302,8 @@ class SpeculativeDecoder:
         this call (CUDA only; the same tokens as eager steps)."""
         if not prompts:
             raise ValueError("generate needs at least one prompt")
-        vocab = self.target.config.vocab_size
         for i, prompt in enumerate(prompts):
-            if not (isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt)):
-                raise ValueError(f"prompt {i} must be a list of token ids (ints), got {prompt!r:.80}")
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            self.check_prompt(prompt, f"prompt {i}")
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs a CUDA device, the decoder is on {self.device}")
         params = SamplingParams() if params is None else params

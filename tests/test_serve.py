@@ -112,8 +112,10 @@ def test_submit_rejects_what_it_cannot_serve():
         engine.submit([1] * 20, SamplingParams(max_tokens=13))
     with pytest.raises(ValueError, match=r"outside \[0, 64\): \[64\]"):
         engine.submit([1, 64], SamplingParams())
-    with pytest.raises(ValueError, match="no tokens"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         engine.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="the prompt must be a list of token ids"):  # once failed the engine thread
+        engine.submit([5, 2.5], SamplingParams())
     for bad in (10**9, 0):  # 0 once meant the model's maximum
         with pytest.raises(ValueError, match="max_model_len"):
             Engine(SpeculativeDecoder(target, drafter), max_model_len=bad)
@@ -572,6 +574,41 @@ def test_a_failing_step_fails_every_request_and_stops_the_engine():
     for request in (running, waiting):
         assert isinstance(request.events.queue[-1], RuntimeError)
     assert engine.stopped.is_set() and engine.slots == [None]
+
+
+@torch.inference_mode()
+def test_a_failing_prefill_fails_only_the_requests_it_admitted():
+    """A prefill's failure (say, out of memory on a long prompt) once stopped the engine and every
+    request in flight with it."""
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    running = engine.submit([1, 2], params)
+    engine._admit(block=False)
+    engine._step()
+    failing = engine.submit([3, 4], params)
+    prefill = engine.decoder.prefill
+    engine.decoder.prefill = lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    engine._admit(block=False)
+    engine.decoder.prefill = prefill
+    assert isinstance(failing.events.get_nowait(), RuntimeError) and engine.slots[1] is None
+    drain(engine, [running])
+    assert running.result.tokens == target_greedy(target, [1, 2], 12)
+    assert not engine.stopped.is_set() and engine.stats.finished == {"abort": 1, "length": 1}
+
+
+@torch.inference_mode()
+def test_a_generate_on_the_engines_models_stops_it_instead_of_corrupting_requests():
+    """generate sets up caches of its own on the same target: the engine's requests in flight lost
+    their context and went on silently with wrong tokens."""
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine._admit(block=False)
+    engine._step()
+    SpeculativeDecoder(target, drafter).generate([[5]], SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="caches are no longer this StepRunner's"):
+        engine._step()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's raise

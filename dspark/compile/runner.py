@@ -56,6 +56,19 @@ class StepRunner:
         self._sampling = SamplingTensors.from_params(self.params, device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = None
+        self.caches = self._model_caches()
+
+    def _model_caches(self) -> list:
+        decoder = self.decoder
+        caches = [layer.kv_cache for layer in decoder.target.layers]
+        return caches + [layer.context_cache for layer in decoder.drafter.layers] if decoder.drafter else caches
+
+    def _check_caches(self) -> None:
+        """Refuses to run on caches other than the ones set up here: the rows in flight are in those."""
+        if any(now is not ours for now, ours in zip(self._model_caches(), self.caches)):
+            raise RuntimeError("the models' caches are no longer this StepRunner's: something set up others on "
+                               "the same target or drafter (a generate call?), and the requests in flight lost "
+                               "their context; serve and generate with separate model instances")
 
     def bucket(self, rows: int) -> int:
         """The smallest bucket that holds rows 0 .. rows-1."""
@@ -77,6 +90,7 @@ class StepRunner:
 
     def draft(self, batch: int) -> None:
         """Draws the drafts of rows 0 .. batch-1 from their anchors (after an admission)."""
+        self._check_caches()
         self.tokens[:batch, 1:] = self.decoder.draft(self.tokens[:batch, 0], self.start[:batch],
                                                      self.draft_probs[:batch], self.sampling(batch))
 
@@ -86,6 +100,7 @@ class StepRunner:
         as they are; on CUDA graphs the outputs are the graph's and hold until the next step."""
         if batch not in self.buckets:
             raise ValueError(f"batch {batch} is not one of the buckets {self.buckets}")
+        self._check_caches()
         args = (self.tokens[:batch], self.start[:batch], self.draft_probs[:batch], self.sampling(batch))
         if not self.cuda_graphs:
             return self.decoder.step(*args)

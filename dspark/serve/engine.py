@@ -11,7 +11,9 @@ CUDA-graphed step are dspark.compile's StepRunner.
 
 A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn
 at submission when the request has none), so its output does not depend on its slot or on the
-other requests in the batch.
+other requests in the batch, as far as the arithmetic does not: on the CPU it does not (tested); on
+CUDA the rounding can change with the bucket's size (cuBLAS picks its kernels by shape, and small
+batches add the Markov bias inside the drafting step), so a near tie can break another way.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 from dspark.compile.runner import IDLE, StepRunner
 from dspark.decoder import GenerationResult, SpeculativeDecoder, StopCondition
 from dspark.sampling import MAX_SEED, SamplingParams, SamplingTensors
+
 
 @dataclass
 class Request:
@@ -89,12 +92,7 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queues a request; raises ValueError (naming the value) for one the engine cannot serve,
         EngineStopped once the engine has stopped."""
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        vocab = self.decoder.target.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+        self.decoder.check_prompt(prompt)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
                              f"maximum model length {self.max_model_len}")
@@ -124,8 +122,8 @@ class Engine:
     @torch.inference_mode()
     def run(self) -> None:
         """Admits and steps until shutdown(), then every request in flight or waiting receives
-        EngineStopped. If an admission or a step fails, they receive its exception instead and the
-        engine stops (raising it)."""
+        EngineStopped. If a prefill fails, the requests it admitted receive its exception and the
+        others go on; if a step fails, every request receives it and the engine stops (raising it)."""
         try:
             while not self.stopped.is_set():
                 self._admit(block=not any(self.slots))
@@ -171,11 +169,17 @@ class Engine:
         if not new:
             return
         rows = free[:len(new)]
+        runner, device = self.runner, self.decoder.device
+        try:
+            first, start = self.decoder.prefill([r.prompt for r in new],
+                                                 SamplingTensors.from_params([r.params for r in new], device), rows)
+        except Exception as error:  # e.g. out of memory: these requests fail, the ones in flight go on
+            for request in new:
+                self._count_finished("abort")
+                request.events.put(error)
+            return
         for row, request in zip(rows, new):
             self.slots[row] = request
-        runner, device = self.runner, self.decoder.device
-        first, start = self.decoder.prefill([r.prompt for r in new],
-                                             SamplingTensors.from_params([r.params for r in new], device), rows)
         index = torch.tensor(rows, device=device)
         runner.tokens[index, 0], runner.start[index] = first, start
         for row, request, token in zip(rows, new, first.tolist()):
