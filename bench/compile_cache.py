@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from dspark.compile.cache import load_compile_cache
+from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
 from dspark.compile.runner import StepRunner
 from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
-from dspark.serving import add_model_args, build_decoder, compiled_step_options
 from timing import emit_table
 
 

@@ -1,9 +1,10 @@
 """dspark: DSpark speculative decoding in PyTorch, Triton and torch.compile."""
 from dspark.checkpoint import load_drafter, save_drafter
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.decoder import GenerationResult, SpeculativeDecoder
+from dspark.decoder import SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
 from dspark.loading import load_default, load_target
+from dspark.output import GenerationResult
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -26,9 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dspark.drafter import DSparkDrafter
 from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.ops.verify import greedy_verify, verify
+from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int
 from dspark.target import TargetModel
-from dspark.tokenizer import IncrementalDecoder
 
 VERIFY_METHODS = ("standard", "block")
 RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
@@ -37,66 +36,6 @@ RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache s
 # meets a new shape with every prompt length and group size. Decode steps keep torch's choice: their
 # shape is fixed per cache.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int] = field(default_factory=list)  # generated ids, the stopping token included
-    accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft k was accepted
-    num_steps: int = 0  # decode steps after the prefill
-    finish_reason: str = "length"  # "stop" (stop token or string), "length" (max_tokens); the engine adds "abort"
-    finished: bool = False
-
-
-class StopCondition:
-    """Decides, one emitted token at a time, whether a request is finished. Stop strings are looked
-    for in the text a client is sent: special tokens skipped, and a character whose bytes span
-    tokens read once its last byte has come (IncrementalDecoder; vLLM's detokenizer does the same).
-    A stop string found must end in the newest piece of text, so only that piece and the characters
-    before it that the longest stop string could reach back to are searched."""
-
-    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None, prompt: Sequence[int] = ()):
-        self.max_tokens = params.max_tokens
-        self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids.update(eos_ids)
-        self.stop_strings = params.stop
-        if self.stop_strings and tokenizer is None:
-            raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
-                             "pass tokenizer= to SpeculativeDecoder")
-        self.text = (IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
-                     if self.stop_strings else None)
-        self.keep = max((len(s) for s in self.stop_strings), default=1) - 1
-        self.tail = ""  # the text's last `keep` characters
-
-    def finished(self, tokens: list[int]) -> str | None:
-        """`tokens` just grew by one (each token passes here once, in order); returns the finish
-        reason or None."""
-        if tokens[-1] in self.stop_ids:
-            return "stop"
-        if self.text is not None and self._ends_stop_string(tokens[-1]):
-            return "stop"
-        if len(tokens) >= self.max_tokens:
-            return "length"
-        return None
-
-    def _ends_stop_string(self, token: int) -> bool:
-        text = self.tail + self.text.push(token)
-        self.tail = text[max(0, len(text) - self.keep):]
-        return any(s in text for s in self.stop_strings)
-
-    def extend(self, result: GenerationResult, new: list[int]) -> list[int]:
-        """Appends `new` to result.tokens one token at a time until the request is finished (then
-        sets result.finish_reason and result.finished); returns the tokens it took."""
-        taken = []
-        for token in new:
-            result.tokens.append(token)
-            taken.append(token)
-            reason = self.finished(result.tokens)
-            if reason is not None:
-                result.finish_reason, result.finished = reason, True
-                break
-        return taken
 
 
 class Readback:
@@ -335,7 +274,7 @@ class SpeculativeDecoder:
         anchor, start = self.prefill(prompts, sampling)
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
-            self._emit(i, [token], results, stops, active, on_tokens)
+            self._hand_out(i, stops[i].extend(results[i], [token]), results, active, on_tokens)
         tokens = anchor[:, None].clone()
         if self.drafter is not None:
             drafts = self.draft(anchor, start, draft_probs, sampling)
@@ -363,11 +302,8 @@ class SpeculativeDecoder:
             queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
             emitted_rows, accepted_counts = readback.lists()
             for i in active.nonzero().flatten().tolist():
-                n = accepted_counts[i]
-                results[i].num_steps += 1
-                taken = self._emit(i, emitted_rows[i][:n + 1], results, stops, active, on_tokens)
-                for pos in range(min(n, taken)):  # accepted drafts that a stop did not cut off
-                    results[i].accepted_per_position[pos] += 1
+                taken = stops[i].take_step(results[i], emitted_rows[i], accepted_counts[i])
+                self._hand_out(i, taken, results, active, on_tokens)
             if not active.any():
                 break
             outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
@@ -425,11 +361,9 @@ class SpeculativeDecoder:
         return emitted[:, 0], start
 
     @staticmethod
-    def _emit(i: int, new: list[int], results, stops, active, on_tokens) -> int:
-        """Appends request i's new tokens until its stop condition holds; returns how many it took."""
-        taken = stops[i].extend(results[i], new)
+    def _hand_out(i: int, taken: list[int], results, active, on_tokens) -> None:
+        """Streams the tokens request i has just taken; a finished request leaves the active rows."""
         if results[i].finished:
             active[i] = False
         if on_tokens is not None and taken:
             on_tokens(i, taken)
-        return len(taken)

@@ -28,9 +28,10 @@ from tqdm import tqdm
 
 from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
-from dspark.decoder import VERIFY_METHODS, GenerationResult, SpeculativeDecoder
+from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
 from dspark.loading import DTYPES, device_arg, load_default, load_default_target, measuring_dtype
+from dspark.output import GenerationResult
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 from dspark.tokenizer import Tokenizer

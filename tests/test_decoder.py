@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
-from dspark.decoder import GenerationResult, StopCondition
+from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import apply_filters
 from dspark.tokenizer import Tokenizer
 from stats import assert_differs, assert_matches

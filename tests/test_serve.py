@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
-from dspark.decoder import StopCondition
 from dspark.checkpoint import save_drafter
 from dspark.compile.cache import save_compile_cache
+from dspark.compile.options import build_decoder, compiled_step_options, speculative_config
+from dspark.output import StopCondition
 from dspark.serve.engine import Engine, EngineStopped
 from dspark.serve.metrics import prometheus_text
 from dspark.serve.openai import Reply, TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Handler, Server, client_gone
 from dspark.serve import __main__ as serve_main
-from dspark.serving import build_decoder, compiled_step_options, speculative_config
 from test_decoder import STOP_TEXT, complete_text, target_greedy, tiny_pair
 from test_tokenizer import sentencepiece_tokenizer
 

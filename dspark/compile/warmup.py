@@ -6,7 +6,7 @@ cache that `python -m dspark.serve --compile-cache FILE` loads when it starts.
     python -m dspark.compile.warmup --compile-cache c.bin --max-batch 16 \\
         --speculative-config '{"num_speculative_tokens": 5, "rejection_sample_method": "block"}'
 
-It builds the decoder and the static batch from the same options as the server (dspark.serving),
+It builds the decoder and the static batch from the same options as the server (dspark.compile.options),
 then steps every batch-size bucket in each sampling variant a server meets (every row greedy;
 sampled; sampled with a top-p filter), which compiles every graph the server's steps need, and saves
 what Inductor compiled. Give it the options the server will get: the compiled code is specialized to
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from dspark.compile.cache import save_compile_cache
+from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
 from dspark.compile.runner import StepRunner
 from dspark.sampling import SamplingParams
-from dspark.serving import add_model_args, build_decoder, compiled_step_options
 
 VARIANTS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=1.0),
             "top-p": SamplingParams(temperature=1.0, top_p=0.9)}

@@ -7,7 +7,7 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
 
---speculative-config takes vLLM's keys (dspark/serving.py). On CUDA the decode step is replayed from
+--speculative-config takes vLLM's keys (dspark/compile/options.py). On CUDA the decode step is replayed from
 CUDA graphs (one per batch-size bucket and sampling variant, captured at first use); --enforce-eager
 turns them off. --compile runs the step through torch.compile; `python -m dspark.compile.warmup`
 with the same options compiles it ahead of time into a --compile-cache.
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 from dspark.compile.cache import load_compile_cache
+from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
 from dspark.serve.engine import Engine
 from dspark.serve.server import Server
-from dspark.serving import add_model_args, build_decoder, compiled_step_options
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.compile.runner import IDLE, StepRunner
-from dspark.decoder import GenerationResult, SpeculativeDecoder, StopCondition
+from dspark.decoder import SpeculativeDecoder
+from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import MAX_SEED, SamplingParams, SamplingTensors
 
 
@@ -187,7 +188,7 @@ class Engine:
             self.stats.prompt_tokens += len(request.prompt)
             self.stats.time_to_first_token_s += request.first_token_at - request.arrival
             self.stats.first_tokens += 1
-            self._emit(row, [token])
+            self._hand_out(row, request.stop.extend(request.result, [token]))
         self._set_params()
         if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same
             runner.draft(self._bucket())                          # for the rows in flight
@@ -220,12 +221,10 @@ class Engine:
                 request.result.finish_reason = "abort"
                 self._free(row)
                 continue
-            n = num_accepted[row]
-            request.result.num_steps += 1
-            taken = self._emit(row, emitted[row][:n + 1])
-            accepted = min(n, taken)  # drafts that a stop did not cut off
+            taken = request.stop.take_step(request.result, emitted[row], num_accepted[row])
+            self._hand_out(row, taken)
+            accepted = min(num_accepted[row], len(taken))  # drafts that a stop did not cut off
             for pos in range(accepted):
-                request.result.accepted_per_position[pos] += 1
                 stats.accepted_per_position[pos] += 1
             if k:
                 stats.drafts += 1
@@ -241,16 +240,14 @@ class Engine:
         if params != self.runner.params:
             self.runner.set_params(params)
 
-    def _emit(self, row: int, new: list[int]) -> int:
-        """Hands the request in `row` its new tokens up to its stop; frees the slot when it stops."""
+    def _hand_out(self, row: int, taken: list[int]) -> None:
+        """Hands the request in `row` the tokens it has just taken; frees the slot when it has finished."""
         request = self.slots[row]
-        taken = request.stop.extend(request.result, new)
         self.stats.generation_tokens += len(taken)
         if taken:
             request.events.put(taken)
         if request.result.finished:
             self._free(row)
-        return len(taken)
 
     def _free(self, row: int) -> None:
         request, self.slots[row] = self.slots[row], None

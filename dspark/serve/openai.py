@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dspark.decoder import GenerationResult
+from dspark.output import GenerationResult
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder
 
