@@ -22,15 +22,13 @@ import time
 
 import torch
 
-from dspark import (DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel,
+from dspark import (DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetModel,
                     load_drafter)
 from dspark.compile.runner import StepRunner
 from dspark.loading import DEFAULT_DRAFTER, measuring_dtype
+from models import SMOKE, SMOLLM2
 from timing import emit_table
 
-SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
-                       max_position_embeddings=8192, tie_word_embeddings=True)
 PROMPT_LEN = 32
 
 
@@ -91,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     if args.smoke:
-        device, config, batches, steps = torch.device("cpu"), TargetConfig(vocab_size=49152), [1, 2], 3
+        device, config, batches, steps = torch.device("cpu"), SMOKE, [1, 2], 3
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
@@ -100,7 +98,7 @@ def main() -> None:
     target = TargetModel(config).to(device, dtype).eval()
     if args.smoke:
         drafter = DSparkDrafter(DrafterConfig.for_target(config, num_hidden_layers=1, block_size=7,
-                                                         target_layer_ids=[0, 1], markov_rank=8, mask_token_id=1),
+                                                         target_layer_ids=[-1, 0], markov_rank=8, mask_token_id=1),
                                 embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
     else:
         drafter = load_drafter(DEFAULT_DRAFTER, target)

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from dspark import SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark import SamplingParams, SpeculativeDecoder, TargetModel
 from dspark.loading import measuring_dtype
-from engine_step import SMOLLM2
+from models import SMOKE, SMOLLM2
 from prefill import draw_prompts
 from timing import emit_table, print_profile
 
@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
-        device, config = torch.device("cpu"), TargetConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+        device, config = torch.device("cpu"), SMOKE
         args.batch, args.lengths, args.max_tokens, args.rounds = 16, [4, 12], 8, 1
     else:
         device, config = torch.device("cuda"), SMOLLM2

@@ -24,10 +24,10 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import dspark.decoder
-from dspark import SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark import SamplingParams, SpeculativeDecoder, TargetModel
 from dspark.loading import measuring_dtype
 from dspark.sampling import SamplingTensors
-from engine_step import SMOLLM2
+from models import SMOKE, SMOLLM2
 from timing import emit_table, print_profile
 
 VARIANTS = {"torch's choice (cuDNN allowed)": [*dspark.decoder.PREFILL_ATTENTION, SDPBackend.CUDNN_ATTENTION],
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
-        device, config = torch.device("cpu"), TargetConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+        device, config = torch.device("cpu"), SMOKE
         args.batch, args.lengths, args.single, args.rounds = 16, [4, 12], 3, 1
     else:
         device, config = torch.device("cuda"), SMOLLM2

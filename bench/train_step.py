@@ -45,7 +45,7 @@ from dspark.target import TargetModel, grouped_mask
 from dspark.train import (Batch, BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students,
                           slot_losses, train_step)
 from baselines import slot_losses_7c07aee
-from engine_step import SMOLLM2
+from models import SMOLLM2
 from timing import emit_table, print_profile
 
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
