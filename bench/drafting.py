@@ -15,6 +15,8 @@ the one before left there). Variants, in one process:
   the step reads it with the base logits, the pick reads both again (no float32 biased logits);
 - no PDL: dspark with the step and the pick launched as plain kernels, not as programmatic
   dependents of the kernel before them (gumbel_max.programmatic_launch);
+- proposal chunk N (with --proposal-chunks): dspark with the pick's proposal programs of N tokens
+  (gumbel_max.PROPOSAL_CHUNK), the sweep that chose the shipped size;
 - bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
 - floor: the bytes the design must move, at the bandwidth an elementwise kernel streams in the same
   run (a graph-captured copy_ becomes a memcpy node, which streams slower on the H200): the Markov
@@ -23,6 +25,7 @@ the one before left there). Variants, in one process:
 
     python bench/drafting.py --out table.md             # H200: B = 1, 8, 44, 88; K = 7; V = 200064
     python bench/drafting.py --tiles 64x16 256x32        # also these step tilings
+    python bench/drafting.py --proposal-chunks 2048 8192 # also these proposal chunks
     python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
     python bench/drafting.py --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks
 """
@@ -61,14 +64,14 @@ def torch_loop(logits, head, anchor, temperature, slots, draft_probs):
 
 
 @contextlib.contextmanager
-def plain_launches():
-    """The drafting ops launched as plain kernels."""
-    shipped = gumbel_max.programmatic_launch
-    gumbel_max.programmatic_launch = lambda device: False
+def patched(name: str, value):
+    """gumbel_max's `name` set to `value` meanwhile: a variant of the shipped drafting."""
+    shipped = getattr(gumbel_max, name)
+    setattr(gumbel_max, name, value)
     try:
         yield
     finally:
-        gumbel_max.programmatic_launch = shipped
+        setattr(gumbel_max, name, shipped)
 
 
 def bias_gemms(head, prev_embedding, positions):
@@ -82,7 +85,7 @@ def floor_bytes(batch, positions, vocab, rank) -> int:
     return markov + block * (2 + 4 + 4 + 4)
 
 
-def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list[dict], float]:
+def run(batches, positions, vocab, rank, tiles, chunks, device, profile=0) -> tuple[list[dict], float]:
     """Per batch size: µs of each variant (keys in table order) and the floor; with `profile`, the
     kernels of that many eager dspark blocks at the last batch size are printed."""
     torch.manual_seed(0)
@@ -103,8 +106,8 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
             return ancestral_draft(logits, None, head, anchor, temperature, seed, offset, slots,
                                    draft_probs, **kwargs)
 
-        def dspark(plain=False, **kwargs):
-            with plain_launches() if plain else contextlib.nullcontext():
+        def dspark(variant=contextlib.nullcontext(), **kwargs):
+            with variant:
                 return median_us(lambda: block(**kwargs), device, flush_l2=True)
 
         with torch.inference_mode():
@@ -116,7 +119,8 @@ def run(batches, positions, vocab, rank, tiles, device, profile=0) -> tuple[list
                 "bias in step": dspark(fuse_bias=True),
                 **{f"bias in step {v}x{b}": dspark(tiles=(v, b), fuse_bias=True) for v, b in tiles},
                 "bias GEMM": dspark(fuse_bias=False),
-                "no PDL": dspark(plain=True),
+                "no PDL": dspark(patched("programmatic_launch", lambda device: False)),
+                **{f"proposal chunk {c}": dspark(patched("PROPOSAL_CHUNK", c)) for c in chunks},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device,
                                         flush_l2=True),
                 "floor": 1e6 * floor_bytes(batch, positions, vocab, rank) / bandwidth,
@@ -156,6 +160,9 @@ def main():
     parser.add_argument("--rank", type=int, default=256)
     parser.add_argument("--tiles", type=tile_pair, nargs="*", default=[], metavar="VxB",
                         help="also time the bias-in-step variant with these step tiles (block_v, block_b)")
+    parser.add_argument("--proposal-chunks", type=int, nargs="*", default=[], metavar="N",
+                        help="also time dspark with gumbel_max.PROPOSAL_CHUNK = N (shipped: "
+                             f"{gumbel_max.PROPOSAL_CHUNK}; twice that after the low-rank step)")
     parser.add_argument("--profile", type=int, default=0, metavar="BLOCKS",
                         help="also profile this many eager dspark blocks at the last batch size")
     parser.add_argument("--out", help="also write the table as markdown here")
@@ -167,7 +174,7 @@ def main():
             raise SystemExit("needs a CUDA device; use --smoke for a CPU check")
         device, batches, positions, vocab, rank = (torch.device("cuda"), args.batches,
                                                    args.positions, args.vocab, args.rank)
-    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, device, args.profile)
+    rows, bandwidth = run(batches, positions, vocab, rank, args.tiles, args.proposal_chunks, device, args.profile)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     header = (f"Drafting alone: B x {positions} x {vocab} bfloat16 logits, rank-{rank} vanilla "
               f"Markov head, µs per block (median{', CUDA graph' if device.type == 'cuda' else ''})."
