@@ -14,7 +14,7 @@ the one before left there). Variants, in one process:
 - bias GEMM: ancestral_draft(fuse_bias=False): per position a cuBLAS GEMM writes the bias [B, V],
   the step reads it with the base logits, the pick reads both again (no float32 biased logits);
 - no PDL: dspark with the step and the pick launched as plain kernels, not as programmatic
-  dependents of the kernel before them (gumbel_max.programmatic_launch);
+  dependents of the kernel before them (programmatic_launch);
 - proposal chunk N (with --proposal-chunks): dspark with the pick's proposal programs of N tokens
   (gumbel_max.PROPOSAL_CHUNK), the sweep that chose the shipped size;
 - bias GEMMs: the K Markov GEMMs alone, the part of that design's time cuBLAS spends;
@@ -40,7 +40,7 @@ import triton
 
 from dspark.drafting import ancestral_draft
 from dspark.markov import VanillaMarkov
-from dspark.ops import gumbel_max
+from dspark.ops import gumbel_max, gumbel_pick, gumbel_step
 from timing import emit_table, median_us, print_profile
 
 
@@ -64,14 +64,16 @@ def torch_loop(logits, head, anchor, temperature, slots, draft_probs):
 
 
 @contextlib.contextmanager
-def patched(name: str, value):
-    """gumbel_max's `name` set to `value` meanwhile: a variant of the shipped drafting."""
-    shipped = getattr(gumbel_max, name)
-    setattr(gumbel_max, name, value)
+def patched(name: str, value, modules=(gumbel_max,)):
+    """`name` of the drafting modules set to `value` meanwhile: a variant of the shipped drafting."""
+    shipped = [getattr(module, name) for module in modules]
+    for module in modules:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(gumbel_max, name, shipped)
+        for module, original in zip(modules, shipped):
+            setattr(module, name, original)
 
 
 def bias_gemms(head, prev_embedding, positions):
@@ -119,7 +121,7 @@ def run(batches, positions, vocab, rank, tiles, chunks, device, profile=0) -> tu
                 "bias in step": dspark(fuse_bias=True),
                 **{f"bias in step {v}x{b}": dspark(tiles=(v, b), fuse_bias=True) for v, b in tiles},
                 "bias GEMM": dspark(fuse_bias=False),
-                "no PDL": dspark(patched("programmatic_launch", lambda device: False)),
+                "no PDL": dspark(patched("programmatic_launch", lambda device: False, (gumbel_step, gumbel_pick))),
                 **{f"proposal chunk {c}": dspark(patched("PROPOSAL_CHUNK", c)) for c in chunks},
                 "bias GEMMs": median_us(lambda: bias_gemms(head, prev_embedding, positions), device,
                                         flush_l2=True),

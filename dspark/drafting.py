@@ -4,11 +4,11 @@ the position's proposal for verification.
 
 Per position: the Markov bias (a cuBLAS GEMM through the head, or, for small batches, the head's
 rank-r factor, whose product with W2 the step computes), the step op (the softmax statistics of the
-biased logits; gumbel_max.py), the pick op (the two-level Gumbel-max race: the token, its proposal,
-the Markov embedding of the token for the next position). The biased logits are written out (float32)
-only when the step computes the bias itself; otherwise the pick reads the base logits and the bias
-again. Static shapes and no host sync: the block compiles with torch.compile(fullgraph=True) and is
-captured in a CUDA graph.
+biased logits; ops/gumbel_step.py), the pick op (the two-level Gumbel-max race of ops/gumbel_max.py:
+the token, its proposal, the Markov embedding of the token for the next position;
+ops/gumbel_pick.py). The biased logits are written out (float32) only when the step computes the
+bias itself; otherwise the pick reads the base logits and the bias again. Static shapes and no host
+sync: the block compiles with torch.compile(fullgraph=True) and is captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 from dspark.markov import VanillaMarkov
-from dspark.ops.gumbel_max import bias_in_step, gumbel_pick, gumbel_step, low_rank_bias, position_logits, step_tiles
+from dspark.ops.gumbel_max import bias_in_step, position_logits, step_tiles
+from dspark.ops.gumbel_pick import gumbel_pick
+from dspark.ops.gumbel_step import gumbel_step, low_rank_bias
 
 
 def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov | None,

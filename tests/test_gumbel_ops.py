@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.ops.gumbel_max import gumbel_pick, gumbel_step
+from dspark.ops.gumbel_pick import gumbel_pick
+from dspark.ops.gumbel_step import gumbel_step
 from stats import assert_differs, assert_matches
 
 K, V, R = 2, 40, 16

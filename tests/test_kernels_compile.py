@@ -8,7 +8,9 @@ import torch
 
 from dspark.ops.aot import LaunchRecorder
 from dspark.ops.distill_loss import launch_distill_loss
-from dspark.ops.gumbel_max import GROUP_SIZE, launch_gumbel_pick, launch_step, num_units, step_tiles
+from dspark.ops.gumbel_max import GROUP_SIZE, num_units, step_tiles
+from dspark.ops.gumbel_pick import launch_gumbel_pick
+from dspark.ops.gumbel_step import launch_step
 from dspark.ops.lse_merge import launch_lse_merge
 from dspark.ops.verify import launch_verify
 

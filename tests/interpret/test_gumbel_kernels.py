@@ -10,8 +10,9 @@ masked rows in the last tile), float32 and bfloat16 logits, greedy and NaN paddi
 import pytest
 import torch
 
-from dspark.ops.gumbel_max import (gumbel_pick_torch, launch_gumbel_pick, launch_step, low_rank_bias, num_units,
-                                   step_torch)
+from dspark.ops.gumbel_max import num_units
+from dspark.ops.gumbel_pick import gumbel_pick_torch, launch_gumbel_pick
+from dspark.ops.gumbel_step import launch_step, low_rank_bias, step_torch
 
 K, V, R = 2, 300, 24
 
