@@ -28,7 +28,7 @@ from dspark.compile.cache import save_compile_cache
 from dspark.compile.options import build_decoder, compiled_step_options, speculative_config
 from dspark.output import StopCondition
 from dspark.serve.engine import Engine, EngineStopped
-from dspark.serve.metrics import prometheus_text
+from dspark.serve.metrics import IterationLog, prometheus_text
 from dspark.serve.openai import Reply, TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Handler, Server, client_gone
@@ -557,6 +557,34 @@ def test_the_get_endpoints(server):
     assert values["dspark:spec_decode_num_draft_tokens_total"] == 4 * values["dspark:spec_decode_num_drafts_total"]
     assert values["dspark:generation_tokens_total"] >= 3
     assert values["dspark:time_to_first_token_seconds_count"] >= 1
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("k", [0, 4])
+def test_the_iteration_log_gives_the_rates_and_acceptance_of_the_seconds_since_its_last_line(k):
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter if k else None), max_batch=2, max_model_len=64)
+    clock = [100.0]
+    log = IterationLog(engine, clock=lambda: clock[0])
+    requests = [engine.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+                for _ in range(2)]
+    drain(engine, requests)
+    clock[0] += 2.0
+    expected = "dspark: prompt 3.0 tokens/s, generation 20.0 tokens/s, 0 running, 0 waiting"
+    if k:
+        stats = engine.stats
+        assert sum(stats.accepted_per_position) == stats.accepted_tokens > 0
+        expected += (f"; mean acceptance length {1 + stats.accepted_tokens / stats.drafts:.2f}, accepted per "
+                     "position " + " ".join(f"{n / stats.drafts:.2f}" for n in stats.accepted_per_position))
+    assert log.line() == expected
+    clock[0] += 10.0
+    assert log.line() is None  # an idle engine writes nothing
+
+
+def test_a_log_stats_interval_that_is_not_positive_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_main.parse_args(["--log-stats-interval", "0"])
+    assert "--log-stats-interval must be > 0, got 0.0" in capsys.readouterr().err
 
 
 def test_a_failing_step_fails_every_request_and_stops_the_engine():

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
 from dspark.serve.engine import Engine
+from dspark.serve.metrics import IterationLog
 from dspark.serve.server import Server
 
 
@@ -35,9 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="compiled code from python -m dspark.compile.warmup (implies --compile)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="seconds between the iteration log's lines (rates, running and waiting requests, "
+                        "acceptance), written while the engine works")
+    p.add_argument("--disable-log-stats", action="store_true", help="no iteration log (vLLM's flag)")
     args = p.parse_args(argv)
     if args.enforce_eager and (args.compile or args.compile_cache):
         p.error("--enforce-eager excludes --compile and --compile-cache")
+    if not args.log_stats_interval > 0:
+        p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     return args
 
 
@@ -71,6 +79,9 @@ def main(argv=None) -> None:
     except OSError as error:  # e.g. the port in use
         raise SystemExit(f"python -m dspark.serve: cannot serve on {args.host}:{args.port}: {error}") from None
     server.start_engine()
+    if not args.disable_log_stats:
+        threading.Thread(target=IterationLog(engine, args.log_stats_interval).run, name="dspark-stats",
+                         daemon=True).start()
     drafting = f"DSpark drafter, K = {decoder.k}" if decoder.drafter is not None else "no speculation"
     mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * cuda_graphs)
     print(f"dspark: serving {name} ({drafting}, {next(target.parameters()).dtype}, {args.device}, {mode}) on "

@@ -1,8 +1,15 @@
-"""Prometheus text exposition of the engine's counters, with vLLM's metric names under the
-`dspark:` prefix (so that scrapers written for vLLM's speculative-decoding metrics find them)."""
+"""The engine's counters for people and for scrapers: Prometheus text exposition with vLLM's metric
+names under the `dspark:` prefix (so that scrapers written for vLLM's speculative-decoding metrics
+find them), and the iteration log, a line of rates every few seconds in which the engine worked
+(vLLM's periodic stats line)."""
 from __future__ import annotations
 
-from dspark.serve.engine import Engine
+import dataclasses
+import sys
+import time
+from typing import Callable
+
+from dspark.serve.engine import Engine, EngineStats
 
 
 def _label_value(text: str) -> str:
@@ -40,3 +47,45 @@ def prometheus_text(engine: Engine, model: str) -> str:
            "Draft tokens accepted at each position of the block.",
            [("", f',position="{i}"', n) for i, n in enumerate(stats.accepted_per_position)])
     return "\n".join(lines) + "\n"
+
+
+class IterationLog:
+    """Every `interval` seconds in which the engine did something, one line: prompt and generation
+    tokens per second, requests running and waiting, and for speculation the mean acceptance length
+    (bonus token included) and the acceptance rate per draft position over those seconds."""
+
+    def __init__(self, engine: Engine, interval: float = 10.0, write: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.engine, self.interval, self.clock = engine, interval, clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.last, self.last_time = self._snapshot(), clock()
+
+    def _snapshot(self) -> EngineStats:
+        stats = self.engine.stats
+        return dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position))
+
+    def line(self) -> str | None:
+        """The line for the time since the last one (None if the engine did nothing meanwhile)."""
+        now, stats = self.clock(), self._snapshot()
+        last, seconds = self.last, max(now - self.last_time, 1e-9)
+        self.last, self.last_time = stats, now
+        if stats.steps == last.steps and stats.prompt_tokens == last.prompt_tokens:
+            return None
+        engine = self.engine
+        running = sum(request is not None and not request.cancelled for request in engine.slots)
+        text = (f"dspark: prompt {(stats.prompt_tokens - last.prompt_tokens) / seconds:.1f} tokens/s, generation "
+                f"{(stats.generation_tokens - last.generation_tokens) / seconds:.1f} tokens/s, "
+                f"{running} running, {engine.num_waiting()} waiting")
+        drafts = stats.drafts - last.drafts
+        if drafts:
+            accepted = [n - m for n, m in zip(stats.accepted_per_position, last.accepted_per_position)]
+            text += (f"; mean acceptance length {1 + sum(accepted) / drafts:.2f}, accepted per position "
+                     + " ".join(f"{a / drafts:.2f}" for a in accepted))
+        return text
+
+    def run(self) -> None:
+        """Writes the lines until the engine stops (a thread's target)."""
+        while not self.engine.stopped.wait(self.interval):
+            text = self.line()
+            if text is not None:
+                self.write(text)
