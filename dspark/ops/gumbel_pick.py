@@ -171,7 +171,8 @@ def gumbel_pick(unit_max: Tensor, unit_sum: Tensor, unit_index: Tensor, logits: 
     draft_probs[slots[b], k] = softmax(x[b]) (one-hot at the token for greedy rows; draft_probs
     [S, K, V] float32, slots [B] int64, distinct; other slots are left as they are). Returns the
     token's row of the Markov embedding table ([V, r], any dtype) for the next position: [B, r] in
-    the table's dtype ([B, 0] float32 when table is None)."""
+    the table's dtype ([B, 0] float32 when table is None). Slots must lie in [0, S): on CUDA they are
+    written unchecked (a check of values would sync with the host)."""
     if unit_max.dim() != 2 or unit_index.dtype != torch.int64 or any(
             t.shape != unit_max.shape or not t.is_contiguous() for t in (unit_max, unit_sum, unit_index)):
         raise ValueError(f"unit_max, unit_sum, unit_index (int64) must be contiguous [B, U], got "

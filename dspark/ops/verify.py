@@ -390,6 +390,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     draft_probs [S, K, V] float32, the proposals of request b at slot slots[b]; slots, seed, offset [B]
     int64; temperature [B] float32, 0 = greedy; block selects block verification.
     Returns emitted [B, K+1] int64 (padded with -1) and num_accepted [B] int64.
+    Shapes, dtypes and strides are checked; values are not (that would sync with the host): draft
+    tokens must lie in [0, V) and slots in [0, S), which on CUDA are read and written unchecked.
     """
     _check_inputs(target_logits, draft_tokens, draft_probs, slots, temperature, seed, offset)
     if target_logits.device.type == "cpu":
