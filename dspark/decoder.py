@@ -302,7 +302,7 @@ class SpeculativeDecoder:
             queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
             emitted_rows, accepted_counts = readback.lists()
             for i in active.nonzero().flatten().tolist():
-                taken = stops[i].take_step(results[i], emitted_rows[i], accepted_counts[i])
+                taken, _ = stops[i].take_step(results[i], emitted_rows[i], accepted_counts[i])
                 self._hand_out(i, taken, results, active, on_tokens)
             if not active.any():
                 break

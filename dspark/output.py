@@ -68,12 +68,13 @@ class StopCondition:
                 break
         return taken
 
-    def take_step(self, result: GenerationResult, emitted: list[int], num_accepted: int) -> list[int]:
+    def take_step(self, result: GenerationResult, emitted: list[int], num_accepted: int) -> tuple[list[int], int]:
         """One decode step's tokens, `emitted` [K+1] (the accepted drafts, then the correction or
         bonus token, then padding), taken up to the request's stop; counts the step, and the accepted
-        drafts the stop did not cut off per position. Returns the tokens taken."""
+        drafts the stop did not cut off per position. Returns the tokens taken and those drafts' count."""
         result.num_steps += 1
         taken = self.extend(result, emitted[:num_accepted + 1])
-        for position in range(min(num_accepted, len(taken))):
+        accepted = min(num_accepted, len(taken))
+        for position in range(accepted):
             result.accepted_per_position[position] += 1
-        return taken
+        return taken, accepted

@@ -58,10 +58,10 @@ class StepRunner:
         self._pool = None
         self.caches = self._model_caches()
 
-    def _model_caches(self) -> list:
-        decoder = self.decoder
-        caches = [layer.kv_cache for layer in decoder.target.layers]
-        return caches + [layer.context_cache for layer in decoder.drafter.layers] if decoder.drafter else caches
+    def _model_caches(self) -> tuple:
+        """The models' first-layer caches (setup_caches and drop_caches replace every layer's at once)."""
+        drafter = self.decoder.drafter
+        return self.decoder.target.layers[0].kv_cache, drafter and drafter.layers[0].context_cache
 
     def _check_caches(self) -> None:
         """Refuses to run on caches other than the ones set up here: the rows in flight are in those."""

@@ -138,8 +138,8 @@ def _log_probs(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: t
     """z = logits + bias in float32, log q, log p and the picked tokens [M, 2]: the label and the target's
     argmax, taken of its logits as the kernel takes it (log_softmax can round near-maxima into a tie)."""
     z = logits.float() if bias is None else logits.float() + bias.float()
-    log_q, log_p = z.log_softmax(-1), target_logits.float().log_softmax(-1)
-    return z, log_q, log_p, torch.stack([labels, target_logits.float().argmax(-1)], dim=-1)
+    t = target_logits.float()
+    return z, z.log_softmax(-1), t.log_softmax(-1), torch.stack([labels, t.argmax(-1)], dim=-1)
 
 
 def _terms(log_q: torch.Tensor, log_p: torch.Tensor, picks: torch.Tensor,

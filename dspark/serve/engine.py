@@ -108,6 +108,10 @@ class Engine:
             self.waiting.put(request)
         return request
 
+    def num_running(self) -> int:
+        """Requests in a batch slot whose client is still there (as num_waiting counts them)."""
+        return sum(request is not None and not request.cancelled for request in self.slots)
+
     def num_waiting(self) -> int:
         """Requests queued for a slot whose client is still there (a cancelled one is dropped before
         the next step)."""
@@ -221,9 +225,8 @@ class Engine:
                 request.result.finish_reason = "abort"
                 self._free(row)
                 continue
-            taken = request.stop.take_step(request.result, emitted[row], num_accepted[row])
+            taken, accepted = request.stop.take_step(request.result, emitted[row], num_accepted[row])
             self._hand_out(row, taken)
-            accepted = min(num_accepted[row], len(taken))  # drafts that a stop did not cut off
             for pos in range(accepted):
                 stats.accepted_per_position[pos] += 1
             if k:

@@ -19,7 +19,6 @@ def _label_value(text: str) -> str:
 
 def prometheus_text(engine: Engine, model: str) -> str:
     stats, label = engine.stats, f'model_name="{_label_value(model)}"'
-    running = sum(request is not None and not request.cancelled for request in engine.slots)  # as waiting
     lines = []
 
     def family(name: str, kind: str, help_text: str, samples) -> None:
@@ -30,7 +29,7 @@ def prometheus_text(engine: Engine, model: str) -> str:
     def metric(name: str, kind: str, help_text: str, value) -> None:
         family(name, kind, help_text, [("", "", value)])
 
-    metric("num_requests_running", "gauge", "Requests in a batch slot.", running)
+    metric("num_requests_running", "gauge", "Requests in a batch slot.", engine.num_running())
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())
     family("request_success_total", "counter",
            "Finished requests, by finish reason (abort: the client left or the engine stopped first).",
@@ -72,10 +71,9 @@ class IterationLog:
         if stats.steps == last.steps and stats.prompt_tokens == last.prompt_tokens:
             return None
         engine = self.engine
-        running = sum(request is not None and not request.cancelled for request in engine.slots)
         text = (f"dspark: prompt {(stats.prompt_tokens - last.prompt_tokens) / seconds:.1f} tokens/s, generation "
                 f"{(stats.generation_tokens - last.generation_tokens) / seconds:.1f} tokens/s, "
-                f"{running} running, {engine.num_waiting()} waiting")
+                f"{engine.num_running()} running, {engine.num_waiting()} waiting")
         drafts = stats.drafts - last.drafts
         if drafts:
             accepted = [n - m for n, m in zip(stats.accepted_per_position, last.accepted_per_position)]
