@@ -40,7 +40,7 @@ def step_ms(runner: StepRunner, batch: int, temperature: float, steps: int) -> f
     first, start = decoder.prefill(prompts, runner.sampling(batch), list(range(batch)))
     runner.tokens[:batch, 0], runner.start[:batch] = first, start
     if decoder.drafter is not None:
-        runner.draft(batch)
+        runner.draft(range(batch))
     times = []
     for i in range(steps + 3):
         began = time.perf_counter()

@@ -212,13 +212,14 @@ class SpeculativeDecoder:
                       self.block_verify)
 
     def draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-              sampling: SamplingTensors) -> torch.Tensor:
-        """anchor, start: [B] -> drafts [B, K]; writes their proposals into draft_probs."""
-        base_logits, hidden = self.drafter.forward_block(anchor, start)
+              sampling: SamplingTensors, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """anchor, start: [B]; rows: [B] the requests' cache rows, which are also their slots in
+        draft_probs [S, K, V] (default 0 .. B-1) -> drafts [B, K]; writes their proposals into draft_probs."""
+        base_logits, hidden = self.drafter.forward_block(anchor, start, rows)
         if sampling.all_greedy:
             return greedy_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head, anchor)
         temperature = torch.zeros_like(sampling.temperature) if self.greedy_drafts else sampling.temperature
-        slots = torch.arange(anchor.shape[0], device=anchor.device)
+        slots = torch.arange(anchor.shape[0], device=anchor.device) if rows is None else rows
         return ancestral_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head,
                                anchor, temperature, sampling.seed, start, slots, draft_probs)
 

@@ -49,7 +49,7 @@ def prefilled_runner(k=4):
     runner.set_params(params)
     first, start = decoder.prefill([[1, 2, 3], [5, 9, 11, 2], [4]], runner.sampling(3), [0, 1, 2])
     runner.tokens[:3, 0], runner.start[:3] = first, start
-    runner.draft(4)
+    runner.draft(range(4))
     return runner
 
 
@@ -158,7 +158,7 @@ def test_after_the_warm_up_no_step_compiles_again(tmp_path):
     for params in ([SamplingParams(temperature=0.0)] * 2, [IDLE, SAMPLED],
                    [SamplingParams(temperature=0.5, top_k=5, seed=1), IDLE]):
         runner.set_params(params)
-        runner.draft(2)
+        runner.draft([0, 1])
         for batch in (1, 2):
             runner.step(batch)
     assert counters["stats"]["unique_graphs"] == graphs

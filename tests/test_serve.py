@@ -105,6 +105,32 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method)
     assert control.result.tokens != alone
 
 
+@torch.inference_mode()
+def test_an_admission_drafts_the_new_rows_only(one_thread, monkeypatch):
+    """A request joining the batch gets the drafts and proposals that drafting the whole batch would
+    give it, and the row in flight is not drafted again: its drafts and proposals stay as its last
+    step wrote them."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
+    runner = engine.runner
+    params = [SamplingParams(temperature=t, max_tokens=12, seed=s, ignore_eos=True) for t, s in ((0.9, 1), (0.0, 2))]
+    engine.submit([2, 7, 1, 8], params[0])
+    engine._admit(block=False)
+    engine._step()
+    in_flight = runner.tokens[0].clone(), runner.draft_probs[0].clone()
+    drafted = []
+    draft = engine.decoder.draft
+    monkeypatch.setattr(engine.decoder, "draft", lambda *a, rows: drafted.append(rows.tolist()) or draft(*a, rows=rows))
+    for p in params:
+        engine.submit([3, 1, 4], p)
+    engine._admit(block=False)
+    assert drafted == [[1, 2]]
+    assert torch.equal(runner.tokens[0], in_flight[0]) and torch.equal(runner.draft_probs[0], in_flight[1])
+    admitted = runner.tokens[1:3].clone(), runner.draft_probs[1:3].clone()
+    runner.draft(range(3))
+    assert torch.equal(runner.tokens[1:3], admitted[0]) and torch.equal(runner.draft_probs[1:3], admitted[1])
+
+
 def test_submit_rejects_what_it_cannot_serve():
     target, drafter = tiny_pair(vocab=64, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=32)

@@ -14,6 +14,7 @@ then the recording) and replayed from then on; the graphs share one memory pool.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -83,16 +84,21 @@ class StepRunner:
 
     def sampling(self, batch: int) -> SamplingTensors:
         """The sampling tensors of rows 0 .. batch-1 (views) with their flags."""
-        rows = self.params[:batch]
-        return dataclasses.replace(self._sampling, **{n: getattr(self._sampling, n)[:batch] for n in SAMPLING_FIELDS},
-                                   uses_filters=any(p.uses_filters for p in rows),
-                                   all_greedy=all(p.greedy for p in rows))
+        return self._sampling_of(slice(0, batch), self.params[:batch])
 
-    def draft(self, batch: int) -> None:
-        """Draws the drafts of rows 0 .. batch-1 from their anchors (after an admission)."""
+    def _sampling_of(self, index: slice | torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
+        return dataclasses.replace(self._sampling, **{n: getattr(self._sampling, n)[index] for n in SAMPLING_FIELDS},
+                                   uses_filters=any(p.uses_filters for p in params),
+                                   all_greedy=all(p.greedy for p in params))
+
+    def draft(self, rows: Sequence[int]) -> None:
+        """Draws the drafts of these rows from their anchors (after their admission); the other
+        rows' drafts and proposals stay as they are."""
         self._check_caches()
-        self.tokens[:batch, 1:] = self.decoder.draft(self.tokens[:batch, 0], self.start[:batch],
-                                                     self.draft_probs[:batch], self.sampling(batch))
+        index = torch.tensor(list(rows), device=self.tokens.device)
+        sampling = self._sampling_of(index, [self.params[row] for row in rows])
+        self.tokens[index, 1:] = self.decoder.draft(self.tokens[index, 0], self.start[index], self.draft_probs,
+                                                    sampling, rows=index)
 
     def step(self, batch: int) -> tuple[torch.Tensor, ...]:
         """One step of rows 0 .. batch-1 (a bucket) -> emitted [b, K+1], num_accepted [b], next

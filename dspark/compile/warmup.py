@@ -49,7 +49,7 @@ def warm_up(runner: StepRunner) -> list[tuple[str, int, float]]:
         for batch in runner.buckets:
             began = time.perf_counter()
             if runner.decoder.drafter is not None:
-                runner.draft(batch)
+                runner.draft(range(batch))
             runner.step(batch)
             if runner.tokens.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -2,12 +2,12 @@
 
 Each slot is one row of the target's KV cache, the drafter's context cache and the step's static
 tensors. A request is admitted into a free slot between steps (its prompt prefilled into that
-row, its first token drawn), decodes in every step with the other slots (one SpeculativeDecoder
-step: the target verifies K drafts per row and the drafter drafts the next K), and leaves its slot
-when it stops. A step runs the smallest batch-size bucket that holds every slot in use (admission
-fills the lowest free slots); free slots inside it stay frozen (the same inputs at the same
-positions), so the step keeps its shapes. The static batch, its buckets and the compiled and
-CUDA-graphed step are dspark.compile's StepRunner.
+row, its first token and its first drafts drawn, the rows in flight left as they are), decodes in
+every step with the other slots (one SpeculativeDecoder step: the target verifies K drafts per row
+and the drafter drafts the next K), and leaves its slot when it stops. A step runs the smallest
+batch-size bucket that holds every slot in use (admission fills the lowest free slots); free slots
+inside it stay frozen (the same inputs at the same positions), so the step keeps its shapes. The
+static batch, its buckets and the compiled and CUDA-graphed step are dspark.compile's StepRunner.
 
 A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn
 at submission when the request has none), so its output does not depend on its slot or on the
@@ -194,8 +194,8 @@ class Engine:
             self.stats.first_tokens += 1
             self._hand_out(row, request.stop.extend(request.result, [token]))
         self._set_params()
-        if self.decoder.drafter is not None and any(self.slots):  # every row's drafts again: the same
-            runner.draft(self._bucket())                          # for the rows in flight
+        if self.decoder.drafter is not None:  # the new rows' drafts; the rows in flight keep theirs
+            runner.draft(rows)
 
     def _drop_left(self) -> None:
         """Finishes, as aborted, the waiting requests whose client has left: their handlers are let go
