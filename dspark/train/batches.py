@@ -36,7 +36,7 @@ class BatchOrder:
     holds random sequences, padded to its longest: 2.2 times its real tokens on the self-distilled
     data's lengths (short chat prompts beside stdlib code of up to 512 tokens); with 16, 1.26 times,
     and the target's forward shrinks with it. But buckets of similar lengths are batches of similar
-    prompts (the long ones are code), and the sixth training run (docs/performance.md), the one with
+    prompts (the long ones are code), and the sixth training run (docs/training-runs.md), the one with
     buckets, reached lower estimates at a given step than earlier runs' random batches, by more than
     its 1.15x steps a second could make up (not an A/B: its schedule differed). A function of
     (lengths, config, step), so a resumed run sees the same batches."""
@@ -76,7 +76,7 @@ class FollowUps:
     anchor p, whose first n(p) slots agree with the target's argmax, a decoder at T = 0 accepts n(p)
     drafts and drafts its next block from p + n(p) + 1, the target's own token (after a miss, unless
     all K drafts agreed). Uniform anchors under-sample those positions, so the log's estimates
-    exceed the decoded AL (docs/performance.md, "The training log's AL estimate and the decoder's
+    exceed the decoded AL (docs/training-runs.md, "The training log's AL estimate and the decoder's
     AL"); make_batch places a share `config.followup_anchors` of a sequence's anchors on them. Exact
     on greedy responses; on sampled ones, whose tokens leave the argmax path, a proxy for the same
     (positions after a disagreement). Saved with the checkpoint, so a resumed run continues exactly."""

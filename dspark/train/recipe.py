@@ -41,7 +41,7 @@ class TrainConfig:
 
 
 # Five feature layers, not one per drafter layer: for SmolLM2 they decode +0.13 AL at T = 0 over
-# three, and seven add no more (docs/performance.md: the fifteenth training run, the probe after it).
+# three, and seven add no more (docs/training-runs.md: the fifteenth training run, the probe after it).
 NUM_FEATURE_LAYERS = 5
 
 
