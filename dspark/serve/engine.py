@@ -194,8 +194,9 @@ class Engine:
             self.stats.first_tokens += 1
             self._hand_out(row, request.stop.extend(request.result, [token]))
         self._set_params()
-        if self.decoder.drafter is not None:  # the new rows' drafts; the rows in flight keep theirs
-            runner.draft(rows)
+        admitted = [row for row in rows if self.slots[row] is not None]  # not those done at their first token
+        if self.decoder.drafter is not None and admitted:  # their drafts; the rows in flight keep theirs
+            runner.draft(admitted)
 
     def _drop_left(self) -> None:
         """Finishes, as aborted, the waiting requests whose client has left: their handlers are let go
