@@ -65,7 +65,8 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
-        """An HF `config.json` (see _hf_defaults)."""
+        """An HF `config.json` (see _hf_defaults); a dict that names no architecture (a test's few
+        keys) is a Llama."""
         d = dict(d)
         if "architecture" not in d:
             d["architecture"] = _architecture_of(d)
@@ -107,6 +108,8 @@ _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 def _architecture_of(d: dict[str, Any]) -> str:
     model_type = d.get("model_type")
+    if model_type is None and "architectures" not in d:
+        return "llama"
     if model_type is None:
         archs = d.get("architectures") or []
         known = [_HF_ARCHITECTURES[a] for a in archs if a in _HF_ARCHITECTURES]
@@ -121,7 +124,10 @@ def _architecture_of(d: dict[str, Any]) -> str:
 # DeepSpec / DFlash / TRT-LLM spell the DSpark switches several ways: a nested `dspark_config` or
 # `dflash_config`, a top-level `dspark_X`, or a top-level `X`.
 _DRAFTER_ALIASES = {"use_confidence_head": "enable_confidence_head", "max_draft_len": "block_size",
-                    "aux_hidden_state_layer_ids": "target_layer_ids", "noise_token_id": "mask_token_id"}
+                    "noise_token_id": "mask_token_id"}
+# speculators' (vLLM's) aux hidden state id i is the input of target layer i, the output of layer
+# i - 1: DeepSpec's id i - 1.
+_AUX_LAYER_IDS = "aux_hidden_state_layer_ids"
 
 
 @dataclass
@@ -181,7 +187,8 @@ class DrafterConfig(TargetConfig):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
         """A drafter's `config.json` in any of DeepSpec's, DFlash's or TRT-LLM's spellings (nested,
-        `dspark_`-prefixed, _DRAFTER_ALIASES), with HF's defaults for what it leaves out."""
+        `dspark_`-prefixed, _DRAFTER_ALIASES, speculators' aux layer ids), with HF's defaults for
+        what it leaves out."""
         flat = dict(d)
         for nested in ("dflash_config", "dspark_config"):
             flat.update(d.get(nested) or {})
@@ -191,6 +198,8 @@ class DrafterConfig(TargetConfig):
         for alias, name in _DRAFTER_ALIASES.items():
             if alias in flat:
                 flat.setdefault(name, flat[alias])
+        if _AUX_LAYER_IDS in flat:
+            flat.setdefault("target_layer_ids", [i - 1 for i in flat[_AUX_LAYER_IDS]])
         flat.setdefault("architecture", "qwen3")
         _hf_defaults(flat)
         return cls(**_known_fields(cls, flat))

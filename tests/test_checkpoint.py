@@ -182,7 +182,8 @@ def write_deepspec_folder(folder, drafter, config_update, renames=None):
                        "use_confidence_head": True}},
     {"dspark_config": {"block_size": 3, "markov_rank": 8}, "dspark_target_layer_ids": [0, 2],
      "dspark_noise_token_id": 79, "enable_confidence_head": True},
-    {"block_size": 3, "aux_hidden_state_layer_ids": [0, 2], "mask_token_id": 79, "dspark_markov_rank": 8,
+    # speculators' aux ids are vLLM's: the input of layer i, DeepSpec's i - 1
+    {"block_size": 3, "aux_hidden_state_layer_ids": [1, 3], "mask_token_id": 79, "dspark_markov_rank": 8,
      "use_confidence_head": True, "sliding_window": 4096, "use_sliding_window": False},
 ])
 def test_deepspec_config_spellings_load(tmp_path, spelling):

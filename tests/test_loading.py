@@ -116,6 +116,14 @@ def test_an_hf_config_without_a_key_takes_hfs_default(tmp_path):
     torch.testing.assert_close(logits_of(loaded), logits_of(model), atol=0, rtol=0)
 
 
+def test_a_config_of_a_few_keys_is_a_small_llama():
+    """DESIGN: from_dict fills sensible defaults for the keys a small test leaves out (it once
+    refused a dict that named no architecture)."""
+    config = TargetConfig.from_dict({"vocab_size": 64, "hidden_size": 32})
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.head_dim) == ("llama", 64, 32, 8)
+    assert TargetConfig.from_dict({"architectures": ["Qwen3ForCausalLM"]}).architecture == "qwen3"
+
+
 @pytest.mark.parametrize("change, words", [({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
                                            ({"model_type": None, "architectures": ["GPT2LMHeadModel"]},
                                             "GPT2LMHeadModel"),
