@@ -27,9 +27,9 @@ from dspark.checkpoint import save_drafter
 from dspark.compile.cache import save_compile_cache
 from dspark.compile.options import build_decoder, compiled_step_options, speculative_config
 from dspark.output import StopCondition
-from dspark.serve.engine import Engine, EngineStopped
+from dspark.serve.engine import Engine, EngineStopped, Histogram
 from dspark.serve.metrics import IterationLog, prometheus_text
-from dspark.serve.openai import Reply, TextStream, parse_chat, parse_completion, speculation
+from dspark.serve.openai import BadRequest, Reply, TextStream, parse_chat, parse_completion, speculation
 from dspark.serve import server as server_module
 from dspark.serve.server import Handler, Server, client_gone
 from dspark.serve import __main__ as serve_main
@@ -435,6 +435,39 @@ def test_chat_text_parts_are_joined_by_newlines_and_developer_is_system(default_
     assert parse_chat(parts, tok, 256)[0] == expected
 
 
+class TemplateSpy:
+    """A tokenizer whose chat template records the messages it is given."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.messages = messages
+        return [1, 2]
+
+
+def test_a_messages_name_reaches_the_template_and_its_other_fields_must_be_empty():
+    spy = TemplateSpy()
+    chat = [{"role": "user", "content": "Hi.", "name": "ann"},
+            {"role": "assistant", "content": "Hello.", "tool_calls": [], "refusal": None}]  # as SDKs send them
+    parse_chat({"messages": chat}, spy, 256)
+    assert spy.messages == [{"role": "user", "content": "Hi.", "name": "ann"},
+                            {"role": "assistant", "content": "Hello."}]
+    for message, words in [({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+                            r"messages\[0\]\.tool_calls is not supported"),
+                           ({"role": "user", "content": "x", "name": 3}, r"messages\[0\]\.name must be a string")]:
+        with pytest.raises(BadRequest, match=words) as caught:
+            parse_chat({"messages": [message]}, spy, 256)
+        assert caught.value.param == "messages"
+
+
+def test_skip_special_tokens_may_ask_only_for_what_the_server_does():
+    body = {"prompt": [5, 6]}
+    for value in (True, None):
+        assert parse_completion({**body, "skip_special_tokens": value}, tokenizer=None)[0] == [5, 6]
+    for value in (False, "no"):
+        with pytest.raises(BadRequest, match="skip_special_tokens must be true") as caught:
+            parse_completion({**body, "skip_special_tokens": value}, tokenizer=None)
+        assert caught.value.param == "skip_special_tokens"
+
+
 def test_the_listen_backlog_holds_many_clients_at_once():
     """64 clients connecting at once all get through while the server is busy (the standard
     library's backlog of 5 dropped the rest, which waited a second or were reset)."""
@@ -709,7 +742,33 @@ def test_metrics_escape_the_model_name_and_count_first_tokens():
     text = prometheus_text(engine, 'my "model"\\x\nz')
     assert all(line.startswith(("# ", "dspark:")) for line in text.splitlines())  # a raw newline split one
     assert 'model_name="my \\"model\\"\\\\x\\nz"' in text
-    assert 'dspark:time_to_first_token_seconds_count{model_name="my' in text  # a summary: the mean is sum / count
+    assert 'dspark:time_to_first_token_seconds_count{model_name="my' in text
+
+
+def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it():
+    histogram = Histogram((1.0, 2.0))
+    for value in (0.5, 1.0, 1.5, 3.0):
+        histogram.observe(value)
+    assert (histogram.counts, histogram.total, histogram.count) == ([2, 1, 1], 6.0, 4)
+
+
+def test_the_latency_histograms_count_each_finished_request():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=64)
+    requests = [engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for n in (1, 6)]
+    with torch.inference_mode():
+        drain(engine, requests)
+    lines = prometheus_text(engine, "m").splitlines()
+    for name, count in [("time_to_first_token", 2), ("request_queue_time", 2), ("e2e_request_latency", 2),
+                        ("request_time_per_output_token", 1)]:  # one request has a token after its first
+        prefix = f"dspark:{name}_seconds"
+        assert f"# TYPE {prefix} histogram" in lines
+        buckets = [float(line.split()[-1]) for line in lines if line.startswith(prefix + "_bucket{")]
+        assert buckets == sorted(buckets) and buckets[-1] == count  # cumulative; le="+Inf" holds all
+        assert any(line.startswith(prefix + '_bucket{model_name="m",le="+Inf"}') for line in lines)
+        assert [float(line.split()[-1]) for line in lines if line.startswith(prefix + "_count{")] == [count]
+    sums = {line.split("_seconds_sum")[0]: float(line.split()[-1]) for line in lines if "_seconds_sum{" in line}
+    assert sums["dspark:e2e_request_latency"] >= sums["dspark:time_to_first_token"] > 0
 
 
 def test_after_shutdown_nothing_waits_forever():
@@ -803,7 +862,11 @@ def test_without_speculation_the_response_reports_none():
                                          ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must be"),
                                          ('{"num_speculative_tokens": "7"}', "num_speculative_tokens must be"),
                                          ('{"use_rejection_sampling": "false"}', "true or false"),
-                                         ('{"model": 3}', "model must be")])
+                                         ('{"model": 3}', "model must be"),
+                                         ('{"decoding_type": "Eagle3"}', "method must be 'dspark', got 'eagle3'"),
+                                         ('{"num_speculative_tokens": 3, "max_draft_len": 4}',
+                                          "max_draft_len=4 disagrees with num_speculative_tokens=3"),
+                                         ('{"num_speculative_tokens": -1}', "must be an integer >= 0")])
 def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     with pytest.raises(SystemExit, match=words):
         speculative_config(text)
@@ -814,7 +877,12 @@ def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     ('{"max_draft_len": 2, "rejection_sample_method": "block"}', 2, True, False),
     ('{"num_speculative_tokens": 1, "use_rejection_sampling": false}', 1, False, True),
     ('{"draft_sample_method": "greedy"}', 3, False, True),
-    ('{"model": "none"}', 0, False, False)])
+    ('{"model": "none"}', 0, False, False),
+    ('{"num_speculative_tokens": 0}', 0, False, False),
+    # the seed's TensorRT-LLM config, as it reads
+    ('{"decoding_type": "DSpark", "max_draft_len": 2, "speculative_model": "DRAFTER", "use_rejection_sampling": true,'
+     ' "rejection_sample_method": "block"}', 2, True, False),
+    ('{"method": "dspark", "decoding_type": "DSpark", "speculative_model_dir": "DRAFTER"}', 3, False, False)])
 def test_the_speculative_config_reaches_the_decoder(default_tokenizer, tmp_path, spec, k, block, greedy_drafts):
     from test_checkpoint import make_drafter
     from test_loading import make_model, save_hf
@@ -823,8 +891,9 @@ def test_the_speculative_config_reaches_the_decoder(default_tokenizer, tmp_path,
     save_hf(target, tmp_path / "target")
     default_tokenizer.backend.save(str(tmp_path / "target" / "tokenizer.json"))
     save_drafter(make_drafter(target), tmp_path / "drafter")  # block size 3
-    spec = json.loads(spec)
-    spec.setdefault("model", str(tmp_path / "drafter"))
+    spec = json.loads(spec.replace("DRAFTER", str(tmp_path / "drafter")))
+    if not {"model", "speculative_model", "speculative_model_dir"} & set(spec):
+        spec["model"] = str(tmp_path / "drafter")
     args = serve_main.parse_args(["--model", str(tmp_path / "target"), "--device", "cpu", "--dtype", "float32",
                                   "--speculative-config", json.dumps(spec)])
     decoder, _ = build_decoder(args, compile=False)

@@ -4,9 +4,13 @@ command-line options that choose the model pair, the batch and the speculation, 
 they make.
 
 --speculative-config takes vLLM's keys: method ("dspark"), model (a DeepSpec-format drafter
-folder, or "none" to serve without speculation), num_speculative_tokens (alias max_draft_len),
+folder, or "none" to serve without speculation), num_speculative_tokens (0: no speculation),
 rejection_sample_method ("standard" | "block"), draft_sample_method ("probabilistic" | "greedy";
-greedy drafts the argmax chain, still lossless), use_rejection_sampling (false = greedy drafts).
+greedy drafts the argmax chain, still lossless), and TensorRT-LLM's: decoding_type ("DSpark", for
+method), speculative_model or speculative_model_dir (for model), max_draft_len (for
+num_speculative_tokens), use_rejection_sampling (false = greedy drafts). So the seed's
+`{"decoding_type": "DSpark", "max_draft_len": 7, "speculative_model": ..., "use_rejection_sampling":
+true, "rejection_sample_method": "block"}` serves as it reads.
 """
 from __future__ import annotations
 
@@ -18,31 +22,42 @@ from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.generate import add_model_args as add_model_source_args
 from dspark.generate import load_models
 
-SPEC_KEYS = {"method", "model", "num_speculative_tokens", "max_draft_len", "rejection_sample_method",
-             "draft_sample_method", "use_rejection_sampling"}
+SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method",
+             "use_rejection_sampling"}
+TRTLLM_NAMES = {"decoding_type": "method", "speculative_model": "model", "speculative_model_dir": "model",
+                "max_draft_len": "num_speculative_tokens"}
 
 
 def speculative_config(text: str | None) -> dict:
-    """The parsed --speculative-config; SystemExit naming the bad key or value."""
+    """The parsed --speculative-config, TensorRT-LLM's names read as vLLM's; SystemExit naming the
+    bad key or value."""
     try:
-        config = json.loads(text) if text else {}
+        given = json.loads(text) if text else {}
     except json.JSONDecodeError as error:
         raise SystemExit(f"--speculative-config is not JSON ({error}): {text!r}") from None
-    if not isinstance(config, dict):
+    if not isinstance(given, dict):
         raise SystemExit(f"--speculative-config must be a JSON object, got {text!r}")
-    unknown = set(config) - SPEC_KEYS
+    unknown = set(given) - SPEC_KEYS - set(TRTLLM_NAMES)
     if unknown:
-        raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}; known: {sorted(SPEC_KEYS)}")
+        raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}; known: "
+                         f"{sorted(SPEC_KEYS | set(TRTLLM_NAMES))}")
+    config = {}
+    for key, value in given.items():
+        if key == "decoding_type" and isinstance(value, str):
+            value = value.lower()  # TensorRT-LLM spells it "DSpark"
+        name = TRTLLM_NAMES.get(key, key)
+        if name in config and config[name] != value:
+            raise SystemExit(f"--speculative-config: {key}={given[key]!r} disagrees with {name}={config[name]!r}")
+        config[name] = value
     if config.get("method", "dspark") != "dspark":
         raise SystemExit(f"--speculative-config: method must be 'dspark', got {config['method']!r}")
     if config.get("rejection_sample_method", "standard") not in VERIFY_METHODS:
         raise SystemExit(f"--speculative-config: rejection_sample_method must be one of {VERIFY_METHODS}")
     if config.get("draft_sample_method", "probabilistic") not in ("probabilistic", "greedy"):
         raise SystemExit("--speculative-config: draft_sample_method must be 'probabilistic' or 'greedy'")
-    for key in ("num_speculative_tokens", "max_draft_len"):
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise SystemExit(f"--speculative-config: {key} must be an integer >= 1, got {value!r}")
+    k = config.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise SystemExit(f"--speculative-config: num_speculative_tokens must be an integer >= 0, got {k!r}")
     if not isinstance(config.get("use_rejection_sampling", True), bool):
         raise SystemExit("--speculative-config: use_rejection_sampling must be true or false, "
                          f"got {config['use_rejection_sampling']!r}")
@@ -80,7 +95,6 @@ def build_decoder(args: argparse.Namespace, compile: bool):
         raise ValueError(f"--max-model-len must be in [1, {longest}] for this model, got {args.max_model_len}")
     decoder = SpeculativeDecoder(
         target, drafter, num_speculative_tokens=spec.get("num_speculative_tokens"),
-        max_draft_len=spec.get("max_draft_len"),
         rejection_sample_method=spec.get("rejection_sample_method", "standard"),
         use_rejection_sampling=spec.get("use_rejection_sampling", True)
         and spec.get("draft_sample_method", "probabilistic") == "probabilistic",

@@ -17,6 +17,7 @@ batches add the Markov bias inside the drafting step), so a near tie can break a
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import queue
 import random
@@ -49,8 +50,31 @@ class Request:
 
 
 @dataclass
+class Histogram:
+    """Observations in buckets by upper bound (Prometheus' histogram; the last bucket is above every
+    bound), with their sum and count."""
+    bounds: tuple[float, ...]
+    counts: list[int] = field(init=False)  # per bucket, not cumulative
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
+        self.total += value
+        self.count += 1
+
+
+FIRST_TOKEN_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BOUNDS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
 class EngineStats:
-    """Counters since start, read by the metrics endpoint."""
+    """Counters and latency histograms since start, read by the metrics endpoint."""
     finished: dict[str, int] = field(default_factory=dict)  # requests by finish reason ("abort": the client
                                                             # left or the engine stopped first)
     prompt_tokens: int = 0
@@ -60,8 +84,12 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    time_to_first_token_s: float = 0.0  # sum over the requests that got a first token
-    first_tokens: int = 0  # those requests
+    # seconds: arrival to first token; arrival to admission; arrival to finish and finish less first
+    # token per later token, of the requests that finished after a first token
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(FIRST_TOKEN_BOUNDS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BOUNDS))
+    e2e_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BOUNDS))
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BOUNDS))
 
 
 class EngineStopped(RuntimeError):
@@ -175,6 +203,7 @@ class Engine:
             return
         rows = free[:len(new)]
         runner, device = self.runner, self.decoder.device
+        admitted_at = time.monotonic()
         try:
             first, start = self.decoder.prefill([r.prompt for r in new],
                                                  SamplingTensors.from_params([r.params for r in new], device), rows)
@@ -190,8 +219,8 @@ class Engine:
         for row, request, token in zip(rows, new, first.tolist()):
             request.first_token_at = time.monotonic()
             self.stats.prompt_tokens += len(request.prompt)
-            self.stats.time_to_first_token_s += request.first_token_at - request.arrival
-            self.stats.first_tokens += 1
+            self.stats.queue_time.observe(admitted_at - request.arrival)
+            self.stats.time_to_first_token.observe(request.first_token_at - request.arrival)
             self._hand_out(row, request.stop.extend(request.result, [token]))
         self._set_params()
         admitted = [row for row in rows if self.slots[row] is not None]  # not those done at their first token
@@ -258,9 +287,14 @@ class Engine:
         self._finish(request)
 
     def _finish(self, request: Request) -> None:
-        """Counts the request by its finish reason, then tells its waiter it is done (so a client
-        that has its answer finds it counted in /metrics)."""
+        """Counts the request by its finish reason and its latencies, then tells its waiter it is
+        done (so a client that has its answer finds it counted in /metrics)."""
         self._count_finished(request.result.finish_reason)
+        if request.first_token_at is not None:
+            now, later_tokens = time.monotonic(), len(request.result.tokens) - 1
+            self.stats.e2e_latency.observe(now - request.arrival)
+            if later_tokens:
+                self.stats.time_per_output_token.observe((now - request.first_token_at) / later_tokens)
         request.events.put(None)
 
     def _count_finished(self, reason: str) -> None:

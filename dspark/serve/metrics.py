@@ -1,15 +1,16 @@
 """The engine's counters for people and for scrapers: Prometheus text exposition with vLLM's metric
-names under the `dspark:` prefix (so that scrapers written for vLLM's speculative-decoding metrics
-find them), and the iteration log, a line of rates every few seconds in which the engine worked
+names under the `dspark:` prefix (so that scrapers written for vLLM's speculative-decoding and
+latency metrics find them; the latencies are histograms), and the iteration log, a line of rates every few seconds in which the engine worked
 (vLLM's periodic stats line)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import time
 from typing import Callable
 
-from dspark.serve.engine import Engine, EngineStats
+from dspark.serve.engine import Engine, EngineStats, Histogram
 
 
 def _label_value(text: str) -> str:
@@ -29,6 +30,12 @@ def prometheus_text(engine: Engine, model: str) -> str:
     def metric(name: str, kind: str, help_text: str, value) -> None:
         family(name, kind, help_text, [("", "", value)])
 
+    def histogram(name: str, help_text: str, h: Histogram) -> None:
+        bounds = [*map(repr, h.bounds), "+Inf"]
+        family(name, "histogram", help_text,
+               [("_bucket", f',le="{le}"', n) for le, n in zip(bounds, itertools.accumulate(h.counts))]
+               + [("_sum", "", round(h.total, 6)), ("_count", "", h.count)])
+
     metric("num_requests_running", "gauge", "Requests in a batch slot.", engine.num_running())
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())
     family("request_success_total", "counter",
@@ -37,8 +44,15 @@ def prometheus_text(engine: Engine, model: str) -> str:
     metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
     metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
     metric("num_decode_steps_total", "counter", "Decode steps of the whole batch.", stats.steps)
-    family("time_to_first_token_seconds", "summary", "Time from a request's arrival to its first token.",
-           [("_sum", "", round(stats.time_to_first_token_s, 6)), ("_count", "", stats.first_tokens)])
+    histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+              stats.time_to_first_token)
+    histogram("request_queue_time_seconds", "Time from a request's arrival to its admission into a slot.",
+              stats.queue_time)
+    histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
+              stats.e2e_latency)
+    histogram("request_time_per_output_token_seconds",
+              "A finished request's time from its first token to its last, per later token.",
+              stats.time_per_output_token)
     metric("spec_decode_num_drafts_total", "counter", "Draft blocks verified.", stats.drafts)
     metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", stats.draft_tokens)
     metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", stats.accepted_tokens)

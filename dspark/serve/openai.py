@@ -4,9 +4,11 @@ Requests are validated here; anything malformed or unsupported raises BadRequest
 that names the parameter (the server answers 400), never a silent default. Supported: model,
 prompt (one string or one list of token ids; a string gets the model's own special tokens, e.g.
 Llama 3's BOS) / messages (roles system, developer, user, assistant; text content or text parts,
-joined by newlines), max_tokens (chat: also max_completion_tokens), temperature, top_p, top_k,
-min_p, seed, stop, stop_token_ids, ignore_eos, n = 1, stream, stream_options.include_usage, user.
-A null value means the default. A temperature below 1e-5 is greedy (vLLM's rule).
+joined by newlines; a message's name goes to the chat template), max_tokens (chat: also
+max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
+skip_special_tokens = true (the text never holds special tokens), n = 1, stream,
+stream_options.include_usage, user. A null value means the default. A temperature below 1e-5 is
+greedy (vLLM's rule).
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_b
 OFF_VALUES = {"repetition_penalty": [1], "best_of": [1], "response_format": [{"type": "text"}], "suffix": [""],
               "tool_choice": ["none"], "parallel_tool_calls": [True]}  # else 0, [], {} (and null, false)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "n", "stream", "stream_options", "user", *UNSUPPORTED}
+          "ignore_eos", "skip_special_tokens", "n", "stream", "stream_options", "user", *UNSUPPORTED}
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")  # others (tool_calls, refusal, ...) only empty or null
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 # Every stop string is looked for after every token, on the engine's thread that all requests share:
@@ -82,6 +85,9 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
     for key in ("stream", "ignore_eos"):  # null: the default, as in OpenAI's schema
         if not isinstance(body.get(key, False), (bool, type(None))):
             raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
+    if body.get("skip_special_tokens") not in (True, None):
+        raise BadRequest(f"skip_special_tokens must be true (the text leaves special tokens out), got "
+                         f"{body['skip_special_tokens']!r}", "skip_special_tokens")
     options = body.get("stream_options")
     if options is not None and not (body.get("stream") and isinstance(options, dict)
                                     and set(options) <= {"include_usage"}
@@ -143,12 +149,19 @@ def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
     return ids, sampling_params(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
 
 
-def _message_text(message, index: int) -> tuple[str, str]:
+def _message(message, index: int) -> dict:
+    """The chat template's message: role, text content, and the name if one is given."""
     role = message.get("role") if isinstance(message, dict) else None
     role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
     if role not in ROLES:
         raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES + tuple(ROLE_ALIASES)}, "
                          f"got {message!r:.80}", "messages")
+    for key, value in message.items():
+        if key not in MESSAGE_KEYS and value not in (None, [], ""):
+            raise BadRequest(f"messages[{index}].{key} is not supported by this server", "messages")
+    name = message.get("name")
+    if not isinstance(name, (str, type(None))):
+        raise BadRequest(f"messages[{index}].name must be a string, got {name!r:.80}", "messages")
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
@@ -157,7 +170,8 @@ def _message_text(message, index: int) -> tuple[str, str]:
         content = "\n".join(part["text"] for part in content)  # as vLLM joins them
     if not isinstance(content, str):
         raise BadRequest(f"messages[{index}].content must be a string, got {content!r:.80}", "messages")
-    return role, _encodable(content, "messages")
+    entry = {"role": role, "content": _encodable(content, "messages")}
+    return entry if name is None else {**entry, "name": _encodable(name, "messages")}
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -165,7 +179,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], Sa
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
-    messages = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
+    messages = [_message(m, i) for i, m in enumerate(messages)]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return ids, sampling_params(body, "max_completion_tokens", max(1, max_model_len - len(ids)))
 
