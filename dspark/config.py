@@ -108,7 +108,7 @@ _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 def _architecture_of(d: dict[str, Any]) -> str:
     model_type = d.get("model_type")
-    if model_type is None and "architectures" not in d:
+    if model_type is None and not d.get("architectures"):
         return "llama"
     if model_type is None:
         archs = d.get("architectures") or []

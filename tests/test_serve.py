@@ -109,7 +109,7 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method)
 def test_an_admission_drafts_the_new_rows_only(one_thread, monkeypatch):
     """A request joining the batch gets the drafts and proposals that drafting the whole batch would
     give it, and the row in flight is not drafted again: its drafts and proposals stay as its last
-    step wrote them."""
+    step wrote them. One done at its first token is not drafted."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
     runner = engine.runner
@@ -123,8 +123,9 @@ def test_an_admission_drafts_the_new_rows_only(one_thread, monkeypatch):
     monkeypatch.setattr(engine.decoder, "draft", lambda *a, rows: drafted.append(rows.tolist()) or draft(*a, rows=rows))
     for p in params:
         engine.submit([3, 1, 4], p)
+    done_at_first = engine.submit([5, 9], SamplingParams(temperature=0.0, max_tokens=1))
     engine._admit(block=False)
-    assert drafted == [[1, 2]]
+    assert drafted == [[1, 2]] and done_at_first.result.finished  # it had row 3
     assert torch.equal(runner.tokens[0], in_flight[0]) and torch.equal(runner.draft_probs[0], in_flight[1])
     admitted = runner.tokens[1:3].clone(), runner.draft_probs[1:3].clone()
     runner.draft(range(3))
@@ -446,7 +447,7 @@ class TemplateSpy:
 def test_a_messages_name_reaches_the_template_and_its_other_fields_must_be_empty():
     spy = TemplateSpy()
     chat = [{"role": "user", "content": "Hi.", "name": "ann"},
-            {"role": "assistant", "content": "Hello.", "tool_calls": [], "refusal": None}]  # as SDKs send them
+            {"role": "assistant", "content": "Hello.", "tool_calls": [], "refusal": None, "audio": {}}]  # as SDKs send them
     parse_chat({"messages": chat}, spy, 256)
     assert spy.messages == [{"role": "user", "content": "Hi.", "name": "ann"},
                             {"role": "assistant", "content": "Hello."}]
@@ -462,7 +463,7 @@ def test_skip_special_tokens_may_ask_only_for_what_the_server_does():
     body = {"prompt": [5, 6]}
     for value in (True, None):
         assert parse_completion({**body, "skip_special_tokens": value}, tokenizer=None)[0] == [5, 6]
-    for value in (False, "no"):
+    for value in (False, "no", 1):
         with pytest.raises(BadRequest, match="skip_special_tokens must be true") as caught:
             parse_completion({**body, "skip_special_tokens": value}, tokenizer=None)
         assert caught.value.param == "skip_special_tokens"
@@ -736,7 +737,7 @@ def test_a_request_waiting_when_the_engine_shuts_down_gets_a_503(default_tokeniz
     assert status == 503 and body["error"]["message"] == "the engine was shut down"  # was a 500
 
 
-def test_metrics_escape_the_model_name_and_count_first_tokens():
+def test_metrics_escape_the_model_name():
     target, drafter = tiny_pair(vocab=64, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     text = prometheus_text(engine, 'my "model"\\x\nz')
@@ -749,18 +750,24 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it():
     histogram = Histogram((1.0, 2.0))
     for value in (0.5, 1.0, 1.5, 3.0):
         histogram.observe(value)
-    assert (histogram.counts, histogram.total, histogram.count) == ([2, 1, 1], 6.0, 4)
+    assert (histogram.counts, histogram.total) == ([2, 1, 1], 6.0)
 
 
-def test_the_latency_histograms_count_each_finished_request():
+def test_the_latency_histograms_count_each_request_served():
+    """Every admitted request has a queue time and a first token; those that stop or reach their
+    length (not an abort) an end-to-end latency, and a time per output token if they have a second."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=64)
-    requests = [engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)) for n in (1, 6)]
+    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=3, max_model_len=64)
+    requests = [engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for n in (1, 6, 20)]
     with torch.inference_mode():
-        drain(engine, requests)
+        engine._admit(block=False)
+        requests[2].cancelled = True  # its client leaves after its first token
+        drain(engine, requests)  # its first step frees the cancelled one's slot
+    assert engine.stats.finished == {"length": 2, "abort": 1}
     lines = prometheus_text(engine, "m").splitlines()
-    for name, count in [("time_to_first_token", 2), ("request_queue_time", 2), ("e2e_request_latency", 2),
-                        ("request_time_per_output_token", 1)]:  # one request has a token after its first
+    for name, count in [("time_to_first_token", 3), ("request_queue_time", 3), ("e2e_request_latency", 2),
+                        ("request_time_per_output_token", 1)]:
         prefix = f"dspark:{name}_seconds"
         assert f"# TYPE {prefix} histogram" in lines
         buckets = [float(line.split()[-1]) for line in lines if line.startswith(prefix + "_bucket{")]
@@ -859,14 +866,14 @@ def test_without_speculation_the_response_reports_none():
 
 
 @pytest.mark.parametrize("text, words", [("{'k': 1}", "is not JSON"), ("[1]", "must be a JSON object"),
-                                         ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must be"),
+                                         ('{"k": 1}', "unknown keys"), ('{"method": "eagle"}', "method must name DSpark, got 'eagle'"),
                                          ('{"num_speculative_tokens": "7"}', "num_speculative_tokens must be"),
                                          ('{"use_rejection_sampling": "false"}', "true or false"),
                                          ('{"model": 3}', "model must be"),
-                                         ('{"decoding_type": "Eagle3"}', "method must be 'dspark', got 'eagle3'"),
+                                         ('{"decoding_type": "Eagle3"}', "decoding_type must name DSpark, got 'Eagle3'"),
                                          ('{"num_speculative_tokens": 3, "max_draft_len": 4}',
                                           "max_draft_len=4 disagrees with num_speculative_tokens=3"),
-                                         ('{"num_speculative_tokens": -1}', "must be an integer >= 0")])
+                                         ('{"max_draft_len": -1}', "max_draft_len must be an integer >= 0, got -1")])
 def test_a_bad_speculative_config_exits_naming_what_is_wrong(text, words):
     with pytest.raises(SystemExit, match=words):
         speculative_config(text)
@@ -898,7 +905,7 @@ def test_the_speculative_config_reaches_the_decoder(default_tokenizer, tmp_path,
                                   "--speculative-config", json.dumps(spec)])
     decoder, _ = build_decoder(args, compile=False)
     assert (decoder.k, decoder.block_verify, decoder.greedy_drafts) == (k, block, greedy_drafts)
-    assert (decoder.drafter is None) == (k == 0)
+    assert (decoder.drafter is None) == (k == 0) == (args.drafter == "none")  # K = 0 loads no drafter
 
 
 def test_the_default_max_model_len_fits_a_model_of_a_shorter_context(default_tokenizer, tmp_path):

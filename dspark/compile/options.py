@@ -41,28 +41,32 @@ def speculative_config(text: str | None) -> dict:
     if unknown:
         raise SystemExit(f"--speculative-config: unknown keys {sorted(unknown)}; known: "
                          f"{sorted(SPEC_KEYS | set(TRTLLM_NAMES))}")
-    config = {}
+    config, spelled = {}, {}  # vLLM's name -> value, and the key it was given as
     for key, value in given.items():
         if key == "decoding_type" and isinstance(value, str):
             value = value.lower()  # TensorRT-LLM spells it "DSpark"
         name = TRTLLM_NAMES.get(key, key)
         if name in config and config[name] != value:
-            raise SystemExit(f"--speculative-config: {key}={given[key]!r} disagrees with {name}={config[name]!r}")
-        config[name] = value
+            raise SystemExit(f"--speculative-config: {key}={given[key]!r} disagrees with "
+                             f"{spelled[name]}={given[spelled[name]]!r}")
+        config[name], spelled[name] = value, key
+
+    def refuse(name: str, rule: str) -> SystemExit:
+        return SystemExit(f"--speculative-config: {spelled[name]} {rule}, got {given[spelled[name]]!r}")
+
     if config.get("method", "dspark") != "dspark":
-        raise SystemExit(f"--speculative-config: method must be 'dspark', got {config['method']!r}")
+        raise refuse("method", "must name DSpark")
     if config.get("rejection_sample_method", "standard") not in VERIFY_METHODS:
-        raise SystemExit(f"--speculative-config: rejection_sample_method must be one of {VERIFY_METHODS}")
+        raise refuse("rejection_sample_method", f"must be one of {VERIFY_METHODS}")
     if config.get("draft_sample_method", "probabilistic") not in ("probabilistic", "greedy"):
-        raise SystemExit("--speculative-config: draft_sample_method must be 'probabilistic' or 'greedy'")
+        raise refuse("draft_sample_method", "must be 'probabilistic' or 'greedy'")
     k = config.get("num_speculative_tokens")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise SystemExit(f"--speculative-config: num_speculative_tokens must be an integer >= 0, got {k!r}")
+        raise refuse("num_speculative_tokens", "must be an integer >= 0")
     if not isinstance(config.get("use_rejection_sampling", True), bool):
-        raise SystemExit("--speculative-config: use_rejection_sampling must be true or false, "
-                         f"got {config['use_rejection_sampling']!r}")
+        raise refuse("use_rejection_sampling", "must be true or false")
     if not isinstance(config.get("model", ""), str):
-        raise SystemExit(f"--speculative-config: model must be a folder path or 'none', got {config['model']!r}")
+        raise refuse("model", "must be a folder path or 'none'")
     return config
 
 
@@ -86,7 +90,8 @@ def build_decoder(args: argparse.Namespace, compile: bool):
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     spec = speculative_config(args.speculative_config)
-    args.drafter = spec.get("model")  # None: the default model's drafter (none with --model); "none": none
+    # None: the default model's drafter (none with --model); "none" (or K = 0): none
+    args.drafter = "none" if spec.get("num_speculative_tokens") == 0 else spec.get("model")
     target, drafter, tokenizer = load_models(args)
     longest = target.config.max_position_embeddings
     if args.max_model_len is None:

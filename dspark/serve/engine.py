@@ -52,11 +52,10 @@ class Request:
 @dataclass
 class Histogram:
     """Observations in buckets by upper bound (Prometheus' histogram; the last bucket is above every
-    bound), with their sum and count."""
+    bound), with their sum."""
     bounds: tuple[float, ...]
-    counts: list[int] = field(init=False)  # per bucket, not cumulative
+    counts: list[int] = field(init=False)  # per bucket, not cumulative; their sum is the count
     total: float = 0.0
-    count: int = 0
 
     def __post_init__(self):
         self.counts = [0] * (len(self.bounds) + 1)
@@ -64,7 +63,6 @@ class Histogram:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
         self.total += value
-        self.count += 1
 
 
 FIRST_TOKEN_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -84,8 +82,8 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    # seconds: arrival to first token; arrival to admission; arrival to finish and finish less first
-    # token per later token, of the requests that finished after a first token
+    # seconds: arrival to first token; arrival to admission; arrival to last token and last less
+    # first token per later token, of the requests that stopped or reached their length
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(FIRST_TOKEN_BOUNDS))
     queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BOUNDS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BOUNDS))
@@ -290,7 +288,7 @@ class Engine:
         """Counts the request by its finish reason and its latencies, then tells its waiter it is
         done (so a client that has its answer finds it counted in /metrics)."""
         self._count_finished(request.result.finish_reason)
-        if request.first_token_at is not None:
+        if request.result.finish_reason != "abort":  # an abort's end is when the engine noticed it
             now, later_tokens = time.monotonic(), len(request.result.tokens) - 1
             self.stats.e2e_latency.observe(now - request.arrival)
             if later_tokens:

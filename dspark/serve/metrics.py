@@ -1,7 +1,7 @@
 """The engine's counters for people and for scrapers: Prometheus text exposition with vLLM's metric
 names under the `dspark:` prefix (so that scrapers written for vLLM's speculative-decoding and
-latency metrics find them; the latencies are histograms), and the iteration log, a line of rates every few seconds in which the engine worked
-(vLLM's periodic stats line)."""
+latency metrics find them; the latencies are histograms), and the iteration log, a line of rates
+every few seconds in which the engine worked (vLLM's periodic stats line)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,10 +31,11 @@ def prometheus_text(engine: Engine, model: str) -> str:
         family(name, kind, help_text, [("", "", value)])
 
     def histogram(name: str, help_text: str, h: Histogram) -> None:
-        bounds = [*map(repr, h.bounds), "+Inf"]
+        """The buckets cumulative; _count equals the +Inf bucket, read once (the engine thread adds on)."""
+        cumulative = list(itertools.accumulate(list(h.counts)))
         family(name, "histogram", help_text,
-               [("_bucket", f',le="{le}"', n) for le, n in zip(bounds, itertools.accumulate(h.counts))]
-               + [("_sum", "", round(h.total, 6)), ("_count", "", h.count)])
+               [("_bucket", f',le="{le}"', n) for le, n in zip([*map(repr, h.bounds), "+Inf"], cumulative)]
+               + [("_sum", "", round(h.total, 6)), ("_count", "", cumulative[-1])])
 
     metric("num_requests_running", "gauge", "Requests in a batch slot.", engine.num_running())
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())

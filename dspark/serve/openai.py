@@ -29,7 +29,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = ("role", "content", "name")  # others (tool_calls, refusal, ...) only empty or null
+MESSAGE_KEYS = ("role", "content", "name")  # others (tool_calls, refusal, ...) only at their off values
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 # Every stop string is looked for after every token, on the engine's thread that all requests share:
@@ -85,9 +85,10 @@ def _check_keys(body: dict, allowed: set[str]) -> None:
     for key in ("stream", "ignore_eos"):  # null: the default, as in OpenAI's schema
         if not isinstance(body.get(key, False), (bool, type(None))):
             raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
-    if body.get("skip_special_tokens") not in (True, None):
-        raise BadRequest(f"skip_special_tokens must be true (the text leaves special tokens out), got "
-                         f"{body['skip_special_tokens']!r}", "skip_special_tokens")
+    skip = body.get("skip_special_tokens")
+    if skip is not True and skip is not None:  # not `in (True, None)`: 1 == True
+        raise BadRequest(f"skip_special_tokens must be true (the text leaves special tokens out), got {skip!r}",
+                         "skip_special_tokens")
     options = body.get("stream_options")
     if options is not None and not (body.get("stream") and isinstance(options, dict)
                                     and set(options) <= {"include_usage"}
@@ -157,7 +158,7 @@ def _message(message, index: int) -> dict:
         raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES + tuple(ROLE_ALIASES)}, "
                          f"got {message!r:.80}", "messages")
     for key, value in message.items():
-        if key not in MESSAGE_KEYS and value not in (None, [], ""):
+        if key not in MESSAGE_KEYS and not _asks_for_nothing(key, value):
             raise BadRequest(f"messages[{index}].{key} is not supported by this server", "messages")
     name = message.get("name")
     if not isinstance(name, (str, type(None))):
