@@ -85,10 +85,12 @@ def test_requests_done_at_their_first_token_leave_at_admission(one_thread):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("method", ["standard", "block"])
-def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method, device):
     """Noise is keyed by (seed, position): a sampled request's tokens do not depend on its slot or
-    its neighbours. Control: another seed gives other tokens."""
-    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    its neighbours (on CUDA too, where a batch's size may change the kernels its products run).
+    Control: another seed gives other tokens."""
+    target, drafter = (m.to(device) for m in tiny_pair(vocab=64, logit_std=1.0, block_size=4))
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=-1234, ignore_eos=True)
     alone = decoder.generate([[3, 1, 4]], params)[0].tokens
