@@ -37,7 +37,7 @@ def inductor_losses(logits, bias, target_logits, labels):
 
 
 def op_losses(logits, bias, target_logits, labels):
-    terms, tv, agree, _ = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
+    terms, tv, agree, _, _ = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
     return terms, (1 - tv).clamp_min(0.0), agree
 
 
@@ -102,7 +102,7 @@ def main():
         moved = (3 + len(leaves)) * args.rows * args.vocab * 2
         rows.append(f"| {name} | {ms:.2f} | {moved / ms / 1e6:.0f} |")
         print(rows[-1], flush=True)
-    outputs = [torch.empty(args.rows, device=device) for _ in range(3)] + [torch.empty_like(logits)]
+    outputs = [torch.empty(args.rows, device=device) for _ in range(4)] + [torch.empty_like(logits)]
     tilings = []
     for chunk, warps in args.tilings if device.type == "cuda" else ():
         ms = timed_ms(lambda: launch_distill_loss(lambda kernel: kernel, logits.detach(), bias.detach(), target_logits,

@@ -3,8 +3,10 @@
 The training log's held-out estimates, for drafters already trained (anchors drawn per batch, as
 in training: at another --batch-size than the run's, other anchors): each held-out prompt answered
 twice by the target (greedily, and at temperature 1), every drafter's 1 - TV and argmax agreement
-per position on each kind of response, and the AL estimates they give. A drafter can gain on the
-greedy responses (the text a decode at T = 0 walks) and not on the sampled ones (what T = 1 meets).
+per position on each kind of response, and the AL estimates they give ("reach": 1 + sum_k
+E[reach_k (1 - TV_k)], on the sampled responses the expected AL of standard verification at T = 1,
+see dspark.train.loss). A drafter can gain on the greedy responses (the text a decode at T = 0
+walks) and not on the sampled ones (what T = 1 meets).
 
     python scripts/heldout_estimates.py --drafter dspark/assets/drafter RUN/drafter   # CPU, float32
 """
@@ -34,15 +36,16 @@ def main() -> None:
     target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
     sets = heldout_responses(target, tokenizer, args.cache)
     config = TrainConfig(batch_size=args.batch_size)
-    print("| drafter | responses | AL estimate T = 1 | AL estimate T = 0 | 1 - TV, positions 1..K "
-          "| argmax agreement, positions 1..K |\n|---|---|---|---|---|---|")
+    print("| drafter | responses | AL estimate T = 1 | reach AL estimate T = 1 | AL estimate T = 0 "
+          "| 1 - TV, positions 1..K | argmax agreement, positions 1..K |\n|---|---|---|---|---|---|---|")
     for label, path in zip(drafter_labels(args.drafter), args.drafter):
         drafter = load_drafter(path, target)
         student = Student(label, drafter, optimizer=None, scheduler=None)  # evaluated, never stepped
         for kind, sequences in sets.items():
             batches = heldout_batches(sequences, config, drafter.block_size)
             s = evaluate_students(target, [student], batches, config)[0].summary()
-            print(f"| {label} | {kind} ({len(sequences)}) | {s['al_estimate']:.3f} | {s['al_greedy_estimate']:.3f} "
+            print(f"| {label} | {kind} ({len(sequences)}) | {s['al_estimate']:.3f} | {s['al_reach_estimate']:.3f} "
+                  f"| {s['al_greedy_estimate']:.3f} "
                   f"| {' '.join(f'{a:.2f}' for a in s['acceptance'])} "
                   f"| {' '.join(f'{a:.2f}' for a in s['greedy_agreement'])} |", flush=True)
 

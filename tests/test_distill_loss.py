@@ -46,20 +46,22 @@ def test_tv_and_agreement_are_the_distance_and_the_argmax_match_and_carry_no_gra
     logits, bias, target_logits, labels = inputs()
     target_logits[0] = logits[0] + bias[0] + 5.0  # the same distribution, shifted: TV 0, agreement
     logits_leaf = logits.requires_grad_()
-    terms, tv, agree, grad = loss_op(logits_leaf, bias, target_logits, labels, *WEIGHTS)
+    terms, tv, agree, log_ratio, grad = loss_op(logits_leaf, bias, target_logits, labels, *WEIGHTS)
     q, p = (logits + bias).softmax(-1), target_logits.softmax(-1)
     torch.testing.assert_close(tv, 0.5 * (q - p).abs().sum(-1))
     assert torch.equal(agree, ((logits + bias).argmax(-1) == target_logits.argmax(-1)).float())
-    assert tv[0] < 1e-6 and agree[0] == 1.0 and 0 < agree.mean() < 1
-    assert terms.requires_grad and not (tv.requires_grad or agree.requires_grad or grad.requires_grad)
+    picked = torch.arange(len(labels)), labels
+    torch.testing.assert_close(log_ratio, (q[picked] / p[picked]).log())
+    assert tv[0] < 1e-6 and agree[0] == 1.0 and 0 < agree.mean() < 1 and log_ratio[0].abs() < 1e-5
+    assert terms.requires_grad and not any(t.requires_grad for t in (tv, agree, log_ratio, grad))
 
 
 def test_bfloat16_inputs_give_their_float32_values_and_a_bfloat16_gradient():
     logits, bias, target_logits, labels = inputs(dtype=torch.bfloat16)
-    terms, tv, agree, grad = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
+    terms, tv, agree, log_ratio, grad = loss_op(logits, bias, target_logits, labels, *WEIGHTS)
     want = distill_loss_torch(logits.float(), bias.float(), target_logits.float(), labels, *WEIGHTS)
-    assert grad.dtype == torch.bfloat16 and terms.dtype == tv.dtype == agree.dtype == torch.float32
-    for got, expected in zip((terms, tv, agree, grad.float()), want):
+    assert grad.dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in (terms, tv, agree, log_ratio))
+    for got, expected in zip((terms, tv, agree, log_ratio, grad.float()), want):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-3)
 
 
@@ -95,7 +97,7 @@ def test_cuda_kernel_matches_torch(dtype, with_bias):
     got = loss_op(*args, *WEIGHTS)
     want = distill_loss_torch(*args, *WEIGHTS)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-5)
-    for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):
+    for name, a, b in zip(("terms", "tv", "agree", "log_ratio", "grad"), got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
     compiled = torch.compile(lambda *a: loss_op(*a)[0], dynamic=True)
     want_terms, want_grads = gradients(distill_terms, *args, WEIGHTS)

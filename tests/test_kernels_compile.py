@@ -78,5 +78,5 @@ def test_distill_loss_kernel_compiles_for_sm90(with_bias):
     logits, bias, target_logits, grad = (meta(rows, vocab, dtype=torch.bfloat16) for _ in range(4))
     recorder = LaunchRecorder()
     launch_distill_loss(recorder, logits, bias if with_bias else None, target_logits, meta(rows, dtype=torch.int64),
-                        (0.1, 0.9, 0.3, 1.0), meta(rows), meta(rows), meta(rows), grad)
+                        (0.1, 0.9, 0.3, 1.0), meta(rows), meta(rows), meta(rows), meta(rows), grad)
     assert all(kernel.asm["cubin"] for kernel in recorder.compile_all())

@@ -6,7 +6,9 @@ the real recipe) repeat n-grams of its near-deterministic transitions.
 """
 import copy
 import dataclasses
+import itertools
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -565,8 +567,8 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
     batches of two lengths; the second length compiles nothing new (make_batch pads the length to a
     multiple of LENGTH_MULTIPLE and always makes num_anchors blocks; without that every new length
     compiled the target's forward and both losses again). The rnn head unrolls its state along the
-    block inside the compiled loss."""
-    config = training.TrainConfig(batch_size=4, num_anchors=6)
+    block inside the compiled loss; its case weighs the slots by their reach (--reach-weights)."""
+    config = training.TrainConfig(batch_size=4, num_anchors=6, reach_weights=head == "rnn")
     longer = [Sequence(s.tokens * 3, s.prompt_len) for s in sequences]  # past one LENGTH_MULTIPLE
     results, graphs, lengths = {}, [], set()
     for compile in ("none", "all"):
@@ -580,7 +582,7 @@ def test_a_compiled_step_computes_the_eager_losses_and_gradients_and_compiles_on
             lengths.add(batch.tokens.shape[1])
             for student, loss, stats, _ in training.student_losses(target, students, batch, config, compile):
                 grads = torch.autograd.grad(loss, [p for p in student.drafter.parameters() if p.requires_grad])
-                results[compile].append((loss.detach(), stats.accept, *grads))
+                results[compile].append((loss.detach(), stats.accept, stats.reached, *grads))
             if compile == "all":
                 graphs.append(counters["stats"]["unique_graphs"])
     assert len(lengths) == 2
@@ -642,9 +644,10 @@ def test_compiled_slot_losses_equal_the_eager_ones():
         target_logits = torch.randn(2, blocks, 4, 50, generator=g)
         results = []
         for losses in (training.slot_losses, compiled):
-            terms, accept, agree = losses(logits, bias, confidence, labels, target_logits, 0.1, 0.9, 1.0, 0.5, 0.3)
+            terms, accept, agree, log_ratio = losses(logits, bias, confidence, labels, target_logits,
+                                                     0.1, 0.9, 1.0, 0.5, 0.3)
             grads = torch.autograd.grad(terms.sum(), (logits, bias, confidence))
-            results.append((terms, accept, agree, *grads))
+            results.append((terms, accept, agree, log_ratio, *grads))
         for want, got in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -656,11 +659,11 @@ def test_kl_term_is_the_targets_kl_to_the_draft_and_pulls_up_what_the_draft_near
     g = torch.Generator().manual_seed(3)
     logits, target_logits = torch.randn(2, 3, 4, 50, generator=g), torch.randn(2, 3, 4, 50, generator=g)
     labels = torch.randint(0, 50, (2, 3, 4), generator=g)
-    plain, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
-    weighted, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0, 0.0, 0.5)
+    plain, _, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
+    weighted, _, _, _ = training.slot_losses(logits, None, None, labels, target_logits, 0.1, 0.9, 1.0, 0.0, 0.5)
     p, log_q = target_logits.softmax(-1), logits.log_softmax(-1)
     torch.testing.assert_close(weighted - plain, 0.5 * (p * (p.log() - log_q)).sum(-1))
-    same, _, _ = training.slot_losses(target_logits, None, None, labels, target_logits, 0.0, 0.0, 1.0, 0.0, 1.0)
+    same, _, _, _ = training.slot_losses(target_logits, None, None, labels, target_logits, 0.0, 0.0, 1.0, 0.0, 1.0)
     torch.testing.assert_close(same, torch.zeros_like(same), atol=1e-6, rtol=0)
 
     target = torch.tensor([0.3, 0.7, 0.0]).clamp_min(1e-12).log()
@@ -680,22 +683,83 @@ def test_argmax_term_is_the_cross_entropy_of_the_targets_argmax_and_agreement_co
     logits, bias = torch.randn(2, 3, 4, 50, generator=g), torch.randn(2, 3, 4, 50, generator=g)
     labels = torch.randint(0, 50, (2, 3, 4), generator=g)
     target_logits = torch.randn(2, 3, 4, 50, generator=g)
-    plain, _, agree = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0)
-    weighted, _, _ = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0, 0.5)
+    plain, _, agree, _ = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0)
+    weighted, _, _, _ = training.slot_losses(logits, bias, None, labels, target_logits, 0.1, 0.9, 1.0, 0.5)
     log_q = (logits + bias).log_softmax(-1)
     target_ce = -log_q.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
     torch.testing.assert_close(weighted - plain, 0.5 * target_ce)
     assert torch.equal(agree, ((logits + bias).argmax(-1) == target_logits.argmax(-1)).float())
     assert 0 < agree.mean() < 1
 
-    _, _, same = training.slot_losses(target_logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
+    _, _, same, _ = training.slot_losses(target_logits, None, None, labels, target_logits, 0.1, 0.9, 1.0)
     valid = torch.ones(2, 3, 4, dtype=torch.bool)
-    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), same, valid).summary()
+    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), same, torch.ones(2, 3, 4), valid).summary()
     assert summary["greedy_agreement"] == [1.0] * 4 and summary["al_greedy_estimate"] == 5.0
     mixed = agree.clone()
     mixed[..., 1] = 0  # nothing survives position 1
-    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), mixed, valid).summary()
+    summary = training.step_stats(torch.tensor(1.0), torch.ones(2, 3, 4), mixed, torch.ones(2, 3, 4), valid).summary()
     assert summary["al_greedy_estimate"] == pytest.approx(1 + agree[..., 0].mean().item())
+
+
+def test_reach_estimate_is_the_expected_acceptance_length_of_standard_verification():
+    """Along text the target samples, sum_k E[reach_k (1 - TV_k)] is the expected number of drafts
+    standard verification accepts. Exact on a toy pair (3 tokens, 3 slots, p and q depending on the
+    whole prefix): every text weighed by its probability under p, against the verification process
+    itself (draft from q, accept with min(1, p / q), stop at a rejection), enumerated. The control:
+    the log's other estimate, prod (1 - TV) along the text, is not it."""
+    vocab, slots = 3, 3
+    g = torch.Generator().manual_seed(0)
+    logits = {}
+
+    def law(prefix: tuple, who: str) -> torch.Tensor:  # log p or log q of the next token after prefix
+        if (prefix, who) not in logits:
+            logits[prefix, who] = (torch.randn(vocab, generator=g) * 1.5).log_softmax(-1)
+        return logits[prefix, who]
+
+    def accepted(prefix: tuple) -> float:  # expected accepted drafts from here on, by the process
+        if len(prefix) == slots:
+            return 0.0
+        p, q = law(prefix, "p").exp(), law(prefix, "q").exp()
+        return sum(float(q[x] * min(1.0, p[x] / q[x])) * (1 + accepted(prefix + (x,))) for x in range(vocab))
+
+    texts = list(itertools.product(range(vocab), repeat=slots))
+    draft = torch.stack([torch.stack([law(t[:k], "q") for k in range(slots)]) for t in texts])[:, None]
+    target_logits = torch.stack([torch.stack([law(t[:k], "p") for k in range(slots)]) for t in texts])[:, None]
+    labels = torch.tensor(texts)[:, None]  # [texts, 1 block, slots]
+    chance = (target_logits.gather(-1, labels[..., None]).squeeze(-1).sum(-1).exp())[:, 0]  # P(text) under p
+    _, accept, _, log_ratio = training.slot_losses(draft, None, None, labels, target_logits, 0.1, 0.9, 1.0)
+    reached = training.reach(log_ratio, torch.ones_like(labels, dtype=torch.bool))
+    want = accepted(())
+    assert (chance * (reached * accept).sum(-1)[:, 0]).sum().item() == pytest.approx(want, abs=1e-5)
+    assert abs((chance * accept.cumprod(-1).sum(-1)[:, 0]).sum().item() - want) > 0.01
+    assert torch.equal(reached[..., 0], torch.ones(len(texts), 1))
+
+
+def test_reach_multiplies_min_1_ratio_before_each_slot_and_survives_a_zero_draft_chance():
+    log_ratio = torch.tensor([[[0.5, 0.5 ** 0.5, 0.25, 2.0]]]).log()
+    log_ratio[0, 0, 1] = float("-inf")  # the draft gives the label no chance: nothing after it is reached
+    valid = torch.tensor([[[True, True, True, False]]])
+    got = training.reach(log_ratio, valid)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, torch.tensor([[[1.0, 0.5, 0.0, 0.0]]]))
+    log_ratio[0, 0, 1] = math.log(0.25)
+    torch.testing.assert_close(training.reach(log_ratio, valid), torch.tensor([[[1.0, 0.5, 0.125, 0.03125]]]))
+
+
+def test_reach_weights_keep_each_positions_mean_weight_and_follow_the_reach_within_it():
+    g = torch.Generator().manual_seed(0)
+    reached = torch.rand(3, 5, 4, generator=g)
+    reached[..., 0] = 1.0
+    valid = torch.rand(3, 5, 4, generator=g) > 0.2
+    plain = training.slot_weights(reached, valid, training.TrainConfig())
+    decay = torch.exp(-torch.arange(4) / 4.0)
+    torch.testing.assert_close(plain, decay * valid)
+    weighted = training.slot_weights(reached, valid, training.TrainConfig(reach_weights=True))
+    torch.testing.assert_close((weighted * valid).sum((0, 1)) / valid.sum((0, 1)), decay)
+    assert torch.equal(weighted == 0, ~valid)
+    torch.testing.assert_close(weighted[valid] / plain[valid], (reached / (reached * valid).sum((0, 1))
+                                                                 * valid.sum((0, 1)))[valid])
+    assert not torch.allclose(weighted, plain)  # the control: the reach moves the weights
 
 
 def test_the_command_line_runs_end_to_end_on_the_default_target(tmp_path):

@@ -6,7 +6,8 @@ same position), with q = softmax(z), p = softmax(t), label y and the target's ar
     terms = w_ce CE + w_tv TV + w_am AM + w_kl KL
     CE = -log q_y        TV = 1/2 sum |q - p|        AM = -log q_a        KL = sum p (log p - log q)
 
-and the argmax agreement [argmax z == a] (first index of a tie, as torch.argmax). Its gradient
+the argmax agreement [argmax z == a] (first index of a tie, as torch.argmax) and the label's log
+ratio log q_y - log p_y (the training loss's reach weights, dspark.train.loss). Its gradient
 with respect to z is known in closed form (s = sign(q - p)):
 
     d terms / d z_j = (w_ce + w_am + w_kl) q_j - w_ce [j = y] - w_am [j = a] - w_kl p_j
@@ -19,7 +20,8 @@ softmax statistics and argmaxes (and the KL term's sum), then TV and sum_i s_i q
 gradient. Inductor's fused forward and backward of the same formulas read the row more often. On the
 CPU the op runs `distill_loss_torch`, the same function in plain torch.
 
-TV and the agreement carry no gradient (the loss uses 1 - TV only as a detached confidence target).
+TV, the agreement and the log ratio carry no gradient (the loss uses 1 - TV only as a detached
+confidence target, the log ratio only as a detached weight).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def _chunk_probabilities(logits_ptr, bias_ptr, target_ptr, offset, idx, z_lse, t
 
 
 @triton.jit
-def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr, tv_ptr, agree_ptr, grad_ptr,
+def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr, tv_ptr, agree_ptr, ratio_ptr,
+                         grad_ptr,
                          ce_weight, tv_weight, argmax_weight, kl_weight,
                          V: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row; every tensor is contiguous: [M, V] logits, bias, target, grad; [M] the rest.
@@ -96,6 +99,7 @@ def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr
         z_label += tl.load(bias_ptr + offset + label).to(tl.float32)
         z_at_t_arg += tl.load(bias_ptr + offset + t_arg).to(tl.float32)
     kl = cross / t_sum - t_lse + z_lse
+    t_label = tl.load(target_ptr + offset + label).to(tl.float32)
 
     # Pass 2: TV and sum_i s_i q_i.
     distance = tl.zeros((), tl.float32)
@@ -121,16 +125,18 @@ def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr
     tl.store(terms_ptr + row, terms)
     tl.store(tv_ptr + row, tv)
     tl.store(agree_ptr + row, (z_arg == t_arg).to(tl.float32))
+    tl.store(ratio_ptr + row, (z_label - z_lse) - (t_label - t_lse))
 
 
-def launch_distill_loss(wrap, logits, bias, target_logits, labels, weights, terms, tv, agree, grad,
+def launch_distill_loss(wrap, logits, bias, target_logits, labels, weights, terms, tv, agree, log_ratio, grad,
                         chunk: int = CHUNK, num_warps: int = NUM_WARPS):
     """Launches the kernel through `wrap` (torch.library.wrap_triton, or identity in interpreter
     tests). logits, bias (or None), target_logits, grad: contiguous [M, V]; labels: contiguous [M]
-    int64; weights: (ce, tv, argmax, kl); terms, tv, agree: float32 [M]; chunk: a power of two."""
+    int64; weights: (ce, tv, argmax, kl); terms, tv, agree, log_ratio: float32 [M]; chunk: a power of
+    two."""
     rows, vocab = logits.shape
     wrap(_distill_loss_kernel)[(rows,)](logits, logits if bias is None else bias, target_logits, labels,
-                                        terms, tv, agree, grad, *weights, V=vocab, HAS_BIAS=bias is not None,
+                                        terms, tv, agree, log_ratio, grad, *weights, V=vocab, HAS_BIAS=bias is not None,
                                         BLOCK=min(chunk, triton.next_power_of_2(vocab)), num_warps=num_warps)
 
 
@@ -163,7 +169,7 @@ def distill_terms(logits: torch.Tensor, bias: torch.Tensor | None, target_logits
 
 def distill_loss_torch(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: torch.Tensor,
                        labels: torch.Tensor, ce_weight: float, tv_weight: float, argmax_weight: float,
-                       kl_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       kl_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op in plain torch (the CPU implementation); arguments and results as distill_loss's."""
     z, log_q, log_p, picks = _log_probs(logits, bias, target_logits, labels)
     terms, tv = _terms(log_q, log_p, picks, (ce_weight, tv_weight, argmax_weight, kl_weight))
@@ -173,7 +179,9 @@ def distill_loss_torch(logits: torch.Tensor, bias: torch.Tensor | None, target_l
             + 0.5 * tv_weight * q * (sign - (sign * q).sum(-1, keepdim=True)))
     grad = grad.scatter_add(-1, picks, q.new_tensor([-ce_weight, -argmax_weight]).expand(len(q), 2))
     agree = (z.argmax(-1) == picks[:, 1]).float()
-    return terms, tv, agree, grad.to(logits.dtype)
+    label = picks[:, :1]
+    log_ratio = (log_q.gather(-1, label) - log_p.gather(-1, label)).squeeze(-1)
+    return terms, tv, agree, log_ratio, grad.to(logits.dtype)
 
 
 def _check(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: torch.Tensor,
@@ -190,31 +198,31 @@ def _check(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: torch
 @torch.library.triton_op("dspark::distill_loss", mutates_args=())
 def distill_loss(logits: torch.Tensor, bias: torch.Tensor | None, target_logits: torch.Tensor,
                  labels: torch.Tensor, ce_weight: float, tv_weight: float, argmax_weight: float,
-                 kl_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits, bias (or None), target_logits: [M, V]; labels: [M] int64 -> terms, TV, agreement
-    (float32 [M]) and d terms / d (logits + bias) ([M, V] in logits' dtype)."""
+                 kl_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits, bias (or None), target_logits: [M, V]; labels: [M] int64 -> terms, TV, agreement,
+    log q_label - log p_label (float32 [M]) and d terms / d (logits + bias) ([M, V] in logits' dtype)."""
     _check(logits, bias, target_logits, labels)
     if logits.device.type == "cpu":
         return distill_loss_torch(logits, bias, target_logits, labels, ce_weight, tv_weight, argmax_weight,
                                   kl_weight)
     rows, device = logits.shape[0], logits.device
-    terms, tv, agree = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3))
+    terms, tv, agree, log_ratio = (torch.empty(rows, dtype=torch.float32, device=device) for _ in range(4))
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
     launch_distill_loss(torch.library.wrap_triton, logits.contiguous(),
                         None if bias is None else bias.contiguous(), target_logits.contiguous(),
                         labels.contiguous(), (ce_weight, tv_weight, argmax_weight, kl_weight), terms, tv, agree,
-                        grad)
-    return terms, tv, agree, grad
+                        log_ratio, grad)
+    return terms, tv, agree, log_ratio, grad
 
 
 def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = inputs[1] is not None
     ctx.bias_dtype = None if inputs[1] is None else inputs[1].dtype
-    ctx.save_for_backward(output[3])
+    ctx.save_for_backward(output[4])
     ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, d_terms, d_tv, d_agree, d_grad):
+def _backward(ctx, d_terms, d_tv, d_agree, d_log_ratio, d_grad):
     grad, = ctx.saved_tensors
     scaled = grad.float() * d_terms[:, None]
     d_bias = scaled.to(ctx.bias_dtype) if ctx.has_bias else None

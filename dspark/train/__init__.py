@@ -14,7 +14,7 @@ tells the whole of it. One job per module, each importing only those above it in
 from dspark.train.batches import Batch, BatchOrder, FollowUps, heldout_batches, make_batch
 from dspark.train.cli import MASK_TOKEN, generate_data, heldout_sequences, main, parse_args
 from dspark.train.loop import train
-from dspark.train.loss import Stats, dspark_loss, slot_losses, step_stats
+from dspark.train.loss import Stats, dspark_loss, reach, slot_losses, slot_weights, step_stats
 from dspark.train.recipe import TrainConfig, build_target_layer_ids, default_drafter_config
 from dspark.train.resume import CHECKPOINT, export
 from dspark.train.schedule import TimeBudget, warmup_cosine
@@ -24,5 +24,6 @@ from dspark.train.students import Student, make_student, make_students
 __all__ = ["Batch", "BatchOrder", "CHECKPOINT", "COMPILE_MODES", "FollowUps", "MASK_TOKEN", "Stats", "Student",
            "TimeBudget", "TrainConfig", "build_target_layer_ids", "compile_ahead", "default_drafter_config",
            "dspark_loss", "evaluate_students", "export", "generate_data", "heldout_batches", "heldout_sequences",
-           "main", "make_batch", "make_student", "make_students", "parse_args", "slot_losses", "step_stats",
+           "main", "make_batch", "make_student", "make_students", "parse_args", "reach", "slot_losses", "slot_weights",
+           "step_stats",
            "student_losses", "train", "train_step", "warmup_cosine"]

@@ -29,10 +29,14 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
   target's argmax, for greedy (T = 0) decoding, where a draft is accepted when its argmax is the
   target's. --kl-weight w adds w KL(p_target || p_draft), which pulls up the tokens the draft nearly
   zeroes: TV's gradient on a token's logit is proportional to the token's draft probability.
+  --reach-weights weighs each slot also by the chance that standard verification at T = 1 reaches
+  it along the response's own tokens, relative to its position's mean (dspark.train.loss), so that
+  training meets prefixes as often as a decode does.
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the
-argmax agreements ("greedy AL"); `log.jsonl` keeps them (with --followup-anchors over the
+argmax agreements ("greedy AL"), and "reach AL", 1 + sum_k E[reach_k (1 - TV_k)], which on sampled
+responses is the expected AL of standard verification at T = 1; `log.jsonl` keeps them (with --followup-anchors over the
 training anchors, harder than uniform ones: compare the held-out estimates, which stay uniform).
 Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
 answered by the target like the training prompts, never trained on) show how well the drafter

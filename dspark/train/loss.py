@@ -1,7 +1,20 @@
 """DeepSpec's loss for a batch of blocks (dspark_loss: 0.1 CE + 0.9 TV + 1.0 BCE(confidence), position
 k weighted by exp(-k / gamma), gamma 4; DeepSpec's own 0.9 weighs the L1 distance, 2 TV, so its TV
 term weighs twice this one against the CE) and the teacher-forced acceptance estimates that come
-with it (Stats)."""
+with it (Stats).
+
+Reach. Along a response sampled from the target at T = 1, standard verification of the drafts
+x_1 .. x_{k-1} (drawn from q, accepted with min(1, p / q)) reaches slot k with the chance that it
+would have drawn and accepted the response's own tokens there, relative to the target drawing them:
+
+    reach_k = prod_{j<k} min(1, q_j(x_j) / p_j(x_j))        (reach_1 = 1)
+
+so E[sum_k reach_k (1 - TV_k)] over such responses is the expected number of accepted drafts, the
+decoder's AL less the bonus token: teacher forcing with the target's tokens weighs every prefix as
+the target draws it, verification as the drafter's drafts survive. `--reach-weights` multiplies
+each slot's weight by its reach (detached), divided by the batch's mean reach at its position, so
+the position weights stay exp(-k / gamma) on average and, within a position, the prefixes a decode
+walks weigh more."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +42,7 @@ class Stats:
     survive: torch.Tensor | float = 0.0  # [K] sum of prod_{i<=k} (1 - TV_i)
     agree: torch.Tensor | float = 0.0  # [K] slots whose argmax is the target's (T = 0 acceptance)
     agree_survive: torch.Tensor | float = 0.0  # [K] slots agreeing at every position up to k
+    reached: torch.Tensor | float = 0.0  # [K] sum of reach_k (1 - TV_k) (standard verification along the text)
     count: torch.Tensor | float = 0.0  # [K] valid slots
     steps: int = 0
 
@@ -36,12 +50,13 @@ class Stats:
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> dict:
-        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive]).cpu()  # [4, K]
+        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive, self.reached]).cpu()  # [5, K]
         count = torch.as_tensor(self.count).cpu().clamp_min(1)
-        accept, survive, agree, agree_survive = sums / count
+        accept, survive, agree, agree_survive, reached = sums / count
         return {"loss": float(self.loss) / self.steps, "acceptance": accept.tolist(),
                 "al_estimate": 1 + survive.sum().item(), "greedy_agreement": agree.tolist(),
-                "al_greedy_estimate": 1 + agree_survive.sum().item()}
+                "al_greedy_estimate": 1 + agree_survive.sum().item(),
+                "al_reach_estimate": 1 + reached.sum().item()}
 
 
 def block_views(batch: Batch, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,32 +84,41 @@ def slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: tor
     logits, bias: [B, N, K, V] (the drafter's base logits and the Markov bias, or None);
     confidence: [B, N, K] logits or None; labels: [B, N, K]; target_logits: [B, N, K, V] (the target's
     logits at each slot's position)
-    -> terms, accept, agree [B, N, K] float32
+    -> terms, accept, agree, log q(label) - log p(label) [B, N, K] float32
     """
     vocab = logits.shape[-1]
-    terms, tv, agree, _ = torch.ops.dspark.distill_loss(
+    terms, tv, agree, log_ratio, _ = torch.ops.dspark.distill_loss(
         logits.reshape(-1, vocab), None if bias is None else bias.reshape(-1, vocab),
         target_logits.reshape(-1, vocab), labels.reshape(-1), ce_weight, tv_weight, argmax_weight, kl_weight)
-    terms, tv, agree = (t.view(labels.shape) for t in (terms, tv, agree))
+    terms, tv, agree, log_ratio = (t.view(labels.shape) for t in (terms, tv, agree, log_ratio))
     accept = (1 - tv).clamp_min(0.0)  # TV can exceed 1 by a rounding error
     if confidence is not None:
         terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
             confidence.float(), accept, reduction="none")
-    return terms, accept, agree
+    return terms, accept, agree, log_ratio
+
+
+def reach(log_ratio: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """reach_k = prod_{j<k} min(1, q_j(x_j) / p_j(x_j)) of every slot (the module's docstring), from
+    log_ratio = log q(label) - log p(label) and valid, both [B, N, K] -> [B, N, K] float32."""
+    log_accept = torch.where(valid, log_ratio.clamp(-80.0, 0.0), 0.0)  # -80: exp gives 0, and no -inf - -inf
+    before = torch.cat([torch.zeros_like(log_accept[..., :1]), log_accept[..., :-1]], dim=-1)
+    return before.cumsum(-1).exp()
 
 
 def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                 valid: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, target_logits: torch.Tensor,
                 config: TrainConfig, losses: Callable = slot_losses
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpec's loss for one drafter: CE + TV + confidence BCE (+ the argmax and KL terms, see
-    slot_losses) over the valid slots, position k weighted by exp(-k / decay_gamma). `losses` is
+    slot_losses) over the valid slots, position k weighted by exp(-k / decay_gamma) (and with
+    `config.reach_weights` by the slot's reach, see the module's docstring). `losses` is
     slot_losses or a compiled copy of it. A function of tensors without host syncs, so the whole of
     it compiles too (see COMPILE_MODES).
 
     features: [B, S, m * hidden]; tokens: [B, S]; anchors: [B, N]; valid, labels, prev: [B, N, K];
-    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV and argmax
-    agreement [B, N, K]
+    target_logits: [B, N, K, V] at the slots -> loss (scalar), acceptance estimate 1 - TV, argmax
+    agreement and reach [B, N, K]
     """
     base, hidden = drafter.forward_train(features, tokens, anchors)  # [B, N, K, V], [B, N, K, d]
     head = drafter.markov_head
@@ -103,19 +127,32 @@ def dspark_loss(drafter: DSparkDrafter, features: torch.Tensor, tokens: torch.Te
     if drafter.confidence_head is not None:
         prev_embedding = head.markov_w1(prev) if head is not None and drafter.confidence_head.markov_rank else None
         confidence = drafter.confidence(hidden, prev_embedding)
-    terms, accept, agree = losses(base, bias, confidence, labels, target_logits, config.ce_weight,
-                                  config.tv_weight, config.confidence_weight, config.argmax_weight,
-                                  config.kl_weight)
-    decay = torch.exp(-torch.arange(drafter.block_size, device=valid.device) / config.decay_gamma)
+    terms, accept, agree, log_ratio = losses(base, bias, confidence, labels, target_logits, config.ce_weight,
+                                             config.tv_weight, config.confidence_weight, config.argmax_weight,
+                                             config.kl_weight)
+    reached = reach(log_ratio, valid)
+    weights = slot_weights(reached, valid, config)
+    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept, agree, reached
+
+
+def slot_weights(reached: torch.Tensor, valid: torch.Tensor, config: TrainConfig) -> torch.Tensor:
+    """Each valid slot's weight in the loss: exp(-k / decay_gamma) at position k (from 0), and with
+    `config.reach_weights` times its reach over its position's mean reach in the batch.
+    reached, valid: [B, N, K] -> [B, N, K] float32 (0 on invalid slots)"""
+    decay = torch.exp(-torch.arange(valid.shape[-1], device=valid.device) / config.decay_gamma)
     weights = decay * valid
-    return (weights * terms).sum() / weights.sum().clamp_min(1e-6), accept, agree
+    if config.reach_weights:
+        mean_reach = (reached * valid).sum((0, 1)) / valid.sum((0, 1)).clamp_min(1)  # [K]
+        weights = weights * reached / mean_reach.clamp_min(1e-6)
+    return weights
 
 
-def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, valid: torch.Tensor) -> Stats:
-    """One step's Stats from its loss, acceptance estimates and argmax agreements [B, N, K] over the
-    valid slots [B, N, K], on their device (nothing waits for it)."""
-    per_slot = [accept, accept.cumprod(-1), agree, agree.cumprod(-1), valid.float()]
-    sums = torch.stack([t * valid for t in per_slot]).sum((1, 2))  # [5, K]
+def step_stats(loss: torch.Tensor, accept: torch.Tensor, agree: torch.Tensor, reached: torch.Tensor,
+               valid: torch.Tensor) -> Stats:
+    """One step's Stats from its loss, acceptance estimates, argmax agreements and reach [B, N, K]
+    over the valid slots [B, N, K], on their device (nothing waits for it)."""
+    per_slot = [accept, accept.cumprod(-1), agree, agree.cumprod(-1), reached * accept, valid.float()]
+    sums = torch.stack([t * valid for t in per_slot]).sum((1, 2))  # [6, K]
     return Stats(loss.detach().float(), *sums, steps=1)
 
 

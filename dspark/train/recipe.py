@@ -23,6 +23,7 @@ class TrainConfig:
     argmax_weight: float = 0.0  # CE against the target's argmax: aims at greedy (T = 0) agreement
     kl_weight: float = 0.0  # KL(target || draft): covers the target's mass where TV's gradient vanishes
     decay_gamma: float = 4.0  # position k weighs exp(-k / decay_gamma)
+    reach_weights: bool = False  # and a slot by its reach along the text, relative to its position's (loss.py)
     followup_anchors: float = 0.0  # share of a sequence's anchors where a greedy decode steps (FollowUps)
     seed: int = 0
     rank0_twin: bool = True

@@ -71,9 +71,9 @@ def student_losses(target: TargetModel, students: list[Student], batch: Batch, c
         target_logits, features = target_forward(target, batch.tokens, at, drafter_config)
     for student in students:
         with autocast(device):
-            loss, accept, agree = drafter_loss(student.drafter, features, batch.tokens, batch.anchors,
-                                               batch.valid, labels, prev, target_logits, config, losses)
-        yield student, loss, step_stats(loss, accept, agree, batch.valid), agree
+            loss, accept, agree, reached = drafter_loss(student.drafter, features, batch.tokens, batch.anchors,
+                                                        batch.valid, labels, prev, target_logits, config, losses)
+        yield student, loss, step_stats(loss, accept, agree, reached, batch.valid), agree
 
 
 def train_step(target: TargetModel, students: list[Student], batch: Batch, config: TrainConfig,

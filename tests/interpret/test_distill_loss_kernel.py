@@ -9,11 +9,11 @@ WEIGHTS = (0.1, 0.9, 0.3, 1.0)  # ce, tv, argmax, kl: the shipped recipe's
 
 def run_kernel(logits, bias, target_logits, labels, weights, chunk):
     rows = logits.shape[0]
-    terms, tv, agree = (torch.empty(rows) for _ in range(3))
+    terms, tv, agree, log_ratio = (torch.empty(rows) for _ in range(4))
     grad = torch.empty_like(logits)
-    launch_distill_loss(lambda kernel: kernel, logits, bias, target_logits, labels, weights, terms, tv, agree, grad,
-                        chunk=chunk)
-    return terms, tv, agree, grad
+    launch_distill_loss(lambda kernel: kernel, logits, bias, target_logits, labels, weights, terms, tv, agree,
+                        log_ratio, grad, chunk=chunk)
+    return terms, tv, agree, log_ratio, grad
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -32,7 +32,7 @@ def test_kernel_matches_torch(with_bias, chunk):
     target_logits[3] = z[3]  # the draft is the target: no TV, no KL
     got = run_kernel(logits, bias, target_logits, labels, WEIGHTS, chunk)
     want = distill_loss_torch(logits, bias, target_logits, labels, *WEIGHTS)
-    for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):
+    for name, a, b in zip(("terms", "tv", "agree", "log_ratio", "grad"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert got[1][3] < 1e-5 and got[2][3] == 1.0
 
@@ -50,7 +50,7 @@ def test_kernel_matches_torch_on_masked_chunks_and_near_ties():
     labels = torch.tensor([70, 5])
     got = run_kernel(logits, None, target_logits, labels, WEIGHTS, 64)
     want = distill_loss_torch(logits, None, target_logits, labels, *WEIGHTS)
-    for name, a, b in zip(("terms", "tv", "agree", "grad"), got, want):  # row 0's KL term is inf in both
+    for name, a, b in zip(("terms", "tv", "agree", "log_ratio", "grad"), got, want):  # row 0's KL term is inf in both
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    assert got[1].isfinite().all() and got[3].isfinite().all()
+    assert got[1].isfinite().all() and got[4].isfinite().all()
     assert got[2][1] == 1.0  # the draft's argmax is the target's
