@@ -14,7 +14,8 @@ decoder's AL less the bonus token: teacher forcing with the target's tokens weig
 the target draws it, verification as the drafter's drafts survive. `--reach-weights` multiplies
 each slot's weight by its reach (detached), divided by the batch's mean reach at its position, so
 the position weights stay exp(-k / gamma) on average and, within a position, the prefixes a decode
-walks weigh more."""
+walks weigh more. Measured, it trains worse at both temperatures (docs/training-runs.md, the
+twenty-seventh run): off by default."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,8 @@ class Stats:
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> dict:
-        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive, self.reached]).cpu()  # [5, K]
+        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive, self.reached])  # [5, K]
+        sums = sums.cpu()
         count = torch.as_tensor(self.count).cpu().clamp_min(1)
         accept, survive, agree, agree_survive, reached = sums / count
         return {"loss": float(self.loss) / self.steps, "acceptance": accept.tolist(),
