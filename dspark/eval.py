@@ -10,6 +10,8 @@ K drafts per step and the decoder's counters are summed over the prompts:
   to the stop count: so AL reads below the verifier's own count (vLLM's metric, which keeps drafts
   accepted past a stop) and above tokens per step, by at most K and 1 tokens per request;
 - AL per prompt domain (chat, code, math, prose).
+`--top-p` samples from the target's top-p nucleus at T > 0 (the drafts stay temperature-only; the
+verification is exact against the filtered law), as the seeds' benchmarks do (T = 1, top-p 0.95).
 Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead
 (those of a run with seed 0, as every shipped run; not the prompts the target wrote, nor those over
 the run's --max-prompt-tokens): against the held-out table it shows how much a drafter learned its
@@ -61,6 +63,7 @@ class Acceptance:
 class Row:
     drafter: str
     temperature: float
+    top_p: float
     method: str
     total: Acceptance
     by_domain: dict[str, Acceptance]
@@ -82,20 +85,21 @@ def acceptances(results: list[GenerationResult]) -> list[Acceptance]:
 
 def evaluate(target: TargetModel, drafters: dict[str, DSparkDrafter], prompts: list[Prompt], tokenizer, *,
              temperatures=(0.0, 1.0), methods=VERIFY_METHODS, num_speculative_tokens: int = 7,
-             max_tokens: int = 128, batch_size: int = 80, seed: int = 0) -> list[Row]:
-    """One row per (drafter, temperature, method). Prompt i is decoded with seed `seed + i`."""
+             max_tokens: int = 128, batch_size: int = 80, seed: int = 0, top_p: float = 1.0) -> list[Row]:
+    """One row per (drafter, temperature, method). Prompt i is decoded with seed `seed + i`, at top-p
+    `top_p` (1: off)."""
     ids = render(tokenizer, prompts)
     rows = []
     runs = list(itertools.product(drafters.items(), temperatures, methods))
     for (name, drafter), temperature, method in tqdm(runs, desc="eval", dynamic_ncols=True):
-        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens,
+        params = [SamplingParams(temperature=temperature, top_p=top_p, seed=seed + i, max_tokens=max_tokens,
                                  stop_token_ids=tokenizer.eos_token_ids) for i in range(len(ids))]
         decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=num_speculative_tokens,
                                      rejection_sample_method=method)
         counts = measure(decoder, ids, params, batch_size)
         empty = Acceptance([0] * num_speculative_tokens, 0, 0)
         by_domain = {d: sum((c for c, p in zip(counts, prompts) if p.domain == d), empty) for d in DOMAINS}
-        rows.append(Row(name, temperature, method, sum(counts, empty), by_domain))
+        rows.append(Row(name, temperature, top_p, method, sum(counts, empty), by_domain))
     return rows
 
 
@@ -105,7 +109,8 @@ def markdown_table(rows: list[Row]) -> str:
               "steps", "tokens"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r.drafter, f"{r.temperature:g}", r.method, f"{r.total.acceptance_length:.3f}",
+        sampling = f"{r.temperature:g}" + (f", top-p {r.top_p:g}" if r.top_p < 1 and r.temperature > 0 else "")
+        cells = [r.drafter, sampling, r.method, f"{r.total.acceptance_length:.3f}",
                  *(f"{r.by_domain[d].acceptance_length:.2f}" if r.by_domain[d].steps else "-" for d in DOMAINS),
                  *(f"{a:.3f}" for a in r.total.per_position), str(r.total.steps), str(r.total.tokens)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -138,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=80, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="the target's nucleus at T > 0 (default 1: off)")
     p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -151,6 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]
     if bad:
         p.error(f"--temperatures must be finite and >= 0, got {bad}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     return args
 
 
@@ -179,7 +187,7 @@ def main(argv=None) -> None:
     target, drafters, tokenizer = load_drafters(args.drafter, dtype, args.device)
     rows = evaluate(target, drafters, prompts, tokenizer, temperatures=args.temperatures, methods=args.methods,
                     num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
-                    batch_size=args.batch_size, seed=args.seed)
+                    batch_size=args.batch_size, seed=args.seed, top_p=args.top_p)
     table = markdown_table(rows)
     print(table)
     if args.out is not None:

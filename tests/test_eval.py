@@ -44,18 +44,18 @@ PROMPTS = [Prompt(text, domain) for text, domain in
             ("a b c d", "chat"), ("x = 1", "code")]]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rows_are_the_decoders_counters(pair, temperature):
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.6)])
+def test_rows_are_the_decoders_counters(pair, temperature, top_p):
     target, drafter = pair
     tokenizer = ByteTokenizer()
     rows = evaluate(target, {"tiny": drafter}, PROMPTS, tokenizer, temperatures=[temperature],
-                    num_speculative_tokens=K, max_tokens=12, batch_size=4, seed=5)
+                    num_speculative_tokens=K, max_tokens=12, batch_size=4, seed=5, top_p=top_p)
     assert [(r.method, r.temperature) for r in rows] == [("standard", temperature), ("block", temperature)]
 
     for row in rows:
         decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=K, rejection_sample_method=row.method)
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}]) for p in PROMPTS]
-        params = [SamplingParams(temperature=temperature, seed=5 + i, max_tokens=12, stop_token_ids=[1])
+        params = [SamplingParams(temperature=temperature, top_p=top_p, seed=5 + i, max_tokens=12, stop_token_ids=[1])
                   for i in range(len(PROMPTS))]
         results = decoder.generate(prompts, params)
         steps = sum(r.num_steps for r in results)
@@ -69,6 +69,12 @@ def test_rows_are_the_decoders_counters(pair, temperature):
         code = [r for r, p in zip(results, PROMPTS) if p.domain == "code"]
         assert row.by_domain["code"].steps == sum(r.num_steps for r in code)
         assert sum(d.steps for d in row.by_domain.values()) == steps
+    if top_p < 1:  # the control: the nucleus changes the text, so the counters are not plain T = 1's
+        plain = evaluate(target, {"tiny": drafter}, PROMPTS, tokenizer, temperatures=[temperature], methods=["block"],
+                         num_speculative_tokens=K, max_tokens=12, batch_size=4, seed=5)[0]
+        assert (plain.total.steps, plain.total.accepted) != (rows[1].total.steps, rows[1].total.accepted)
+        cell = markdown_table(rows).splitlines()[2].split("|")[2].strip()
+        assert cell == f"1, top-p {top_p:g}"
 
 
 def test_markdown_table_has_a_line_per_row(pair):
@@ -117,7 +123,8 @@ def test_more_prompts_than_the_set_holds_is_an_error_not_a_smaller_run(monkeypat
 
 @pytest.mark.parametrize("bad", [["--batch-size", "0"], ["--batch-size", "-1"], ["--num-prompts", "0"],
                                  ["--num-prompts", "-5"], ["-k", "-1"], ["--max-tokens", "0"],
-                                 ["--temperatures", "0", "-1"], ["--temperatures", "nan"], ["--seed", "-1"]])
+                                 ["--temperatures", "0", "-1"], ["--temperatures", "nan"], ["--seed", "-1"],
+                                 ["--top-p", "0"], ["--top-p", "1.5"], ["--top-p", "nan"]])
 def test_the_command_line_refuses_counts_that_would_mislead(bad, capsys):
     """A batch size below 1 once printed AL 1.000 over no steps; -5 prompts dropped the last five."""
     with pytest.raises(SystemExit):
