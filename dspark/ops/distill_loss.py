@@ -55,8 +55,7 @@ def _chunk_probabilities(logits_ptr, bias_ptr, target_ptr, offset, idx, z_lse, t
 
 @triton.jit
 def _distill_loss_kernel(logits_ptr, bias_ptr, target_ptr, labels_ptr, terms_ptr, tv_ptr, agree_ptr, ratio_ptr,
-                         grad_ptr,
-                         ce_weight, tv_weight, argmax_weight, kl_weight,
+                         grad_ptr, ce_weight, tv_weight, argmax_weight, kl_weight,
                          V: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row; every tensor is contiguous: [M, V] logits, bias, target, grad; [M] the rest.
     # (V a compile-time constant: the interpreter cannot loop to a run-time bound.)

@@ -24,6 +24,5 @@ from dspark.train.students import Student, make_student, make_students
 __all__ = ["Batch", "BatchOrder", "CHECKPOINT", "COMPILE_MODES", "FollowUps", "MASK_TOKEN", "Stats", "Student",
            "TimeBudget", "TrainConfig", "build_target_layer_ids", "compile_ahead", "default_drafter_config",
            "dspark_loss", "evaluate_students", "export", "generate_data", "heldout_batches", "heldout_sequences",
-           "main", "make_batch", "make_student", "make_students", "parse_args", "reach", "slot_losses", "slot_weights",
-           "step_stats",
-           "student_losses", "train", "train_step", "warmup_cosine"]
+           "main", "make_batch", "make_student", "make_students", "parse_args", "reach", "slot_losses",
+           "slot_weights", "step_stats", "student_losses", "train", "train_step", "warmup_cosine"]

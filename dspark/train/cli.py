@@ -36,8 +36,9 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the
 argmax agreements ("greedy AL"), and "reach AL", 1 + sum_k E[reach_k (1 - TV_k)], which on sampled
-responses is the expected AL of standard verification at T = 1; `log.jsonl` keeps them (with --followup-anchors over the
-training anchors, harder than uniform ones: compare the held-out estimates, which stay uniform).
+responses is the expected AL of standard verification at T = 1; `log.jsonl` keeps them (with
+--followup-anchors over the training anchors, harder than uniform ones: compare the held-out
+estimates, which stay uniform).
 Every --heldout-every steps the same estimates on the held-out prompts (`assets/prompts/heldout.jsonl`,
 answered by the target like the training prompts, never trained on) show how well the drafter
 generalizes beyond the sequences it has seen, separately on each prompt's greedy response (the text
