@@ -157,8 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]
     if bad:
         p.error(f"--temperatures must be finite and >= 0, got {bad}")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    try:  # the sampler's own rule for top-p
+        SamplingParams(top_p=args.top_p)
+    except ValueError as error:
+        p.error(f"--top-p: {error}")
     return args
 
 

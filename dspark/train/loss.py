@@ -51,8 +51,8 @@ class Stats:
         return Stats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> dict:
-        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive, self.reached])  # [5, K]
-        sums = sums.cpu()
+        # [5, K]
+        sums = torch.stack([self.accept, self.survive, self.agree, self.agree_survive, self.reached]).cpu()
         count = torch.as_tensor(self.count).cpu().clamp_min(1)
         accept, survive, agree, agree_survive, reached = sums / count
         return {"loss": float(self.loss) / self.steps, "acceptance": accept.tolist(),
