@@ -53,7 +53,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lo_ptr, hi_ptr, o_ptr, lse_ptr,
                             stride_qb, stride_qh, stride_qt, stride_qd,
-                            H, T, G, M, num_pool_blocks, num_splits, qk_scale, D,
+                            H, T, M, num_pool_blocks, num_splits, qk_scale, G: tl.constexpr, D: tl.constexpr,
                             ROW_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
@@ -108,8 +108,9 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lo_ptr, hi_ptr, o_pt
         m_i = m_new
 
     seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    l_i = tl.where(seen, l_i, 1.0)
+    o = acc / l_i[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))  # natural log
     out = ((split * tl.num_programs(0) + b).to(tl.int64) * H + h) * T + t  # [S, B, H, T] row
     tl.store(o_ptr + out[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=is_row[:, None] & is_d[None, :])
@@ -117,7 +118,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lo_ptr, hi_ptr, o_pt
 
 
 @triton.jit
-def _merge_splits_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, N, num_splits, D,
+def _merge_splits_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, N, num_splits, D: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per output row n of N = B * H * T: the partials [S, N, D], [S, N] -> [N, D], [N].
     n = tl.program_id(0).to(tl.int64)
@@ -129,11 +130,13 @@ def _merge_splits_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, N, num_splits
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # 0 for empty splits
     total = tl.sum(w, axis=0)
+    seen = total > 0
+    total = tl.where(seen, total, 1.0)
     parts = tl.load(o_part_ptr + (s[:, None] * N + n) * D + d[None, :],
                     mask=is_s[:, None] & (d < D)[None, :], other=0.0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    o = tl.sum(parts * w[:, None], axis=0) / total
     tl.store(o_ptr + n * D + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
-    tl.store(lse_ptr + n, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+    tl.store(lse_ptr + n, tl.where(seen, m_safe + tl.log(total), float("-inf")))
 
 
 @functools.cache
@@ -180,10 +183,10 @@ def launch_paged_attention(wrap, q, k_pool, v_pool, block_table, lo, hi, scale: 
     wrap(_paged_attention_kernel)[(B, H_kv * row_tiles, splits)](
         q, k_pool, v_pool, block_table, lo, hi, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-        H, T, G, block_table.shape[1], pool_blocks, splits, scale * math.log2(math.e), D,
+        H, T, block_table.shape[1], pool_blocks, splits, scale * math.log2(math.e), G=G, D=D,
         ROW_TILES=row_tiles, BLOCK_SIZE=block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, num_warps=4 if block_r * block_d <= 32 * 128 else 8)
     if splits > 1:
-        wrap(_merge_splits_kernel)[(B * H * T,)](o_part, lse_part, o, lse, B * H * T, splits, D,
+        wrap(_merge_splits_kernel)[(B * H * T,)](o_part, lse_part, o, lse, B * H * T, splits, D=D,
                                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return o, lse
