@@ -277,7 +277,8 @@ def assert_cuda_matches_cpu(o, lse, q, k_pool, v_pool, table, lo, hi, scale):
 @pytest.mark.parametrize("length", [1, 8, 16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (9, 3, 64)])  # Llama-3-8B, SmolLM2
-@pytest.mark.parametrize("lengths", [[3000], [700, 40, 1500, 64, 33]], ids=["one-long-row", "ragged"])
+@pytest.mark.parametrize("lengths", [[3000], [700, 40, 1500, 64, 33], [200, 40, 100]],
+                         ids=["one-long-row", "ragged", "short"])  # the last: one split
 def test_cuda_matches_cpu(lengths, heads, kv_heads, head_dim, block_size, length):
     for window in (None, 0, 5):
         args = cuda_case(lengths, heads, kv_heads, head_dim, block_size, length, torch.bfloat16, window)
@@ -330,3 +331,37 @@ def test_cuda_graph_replays_follow_changed_lengths(compiled):
         static[5].copy_(hi)
         graph.replay()
         assert_cuda_matches_cpu(*out, *static, 0.1)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_writes_then_attends():
+    """A layer's step captured once: write the step's keys and values, attend over the pool; replayed
+    with other tokens at other slots."""
+    q, k_pool, v_pool, table, lo, hi = cuda_case([300, 90, 41], 8, 2, 64, 16, 4, torch.bfloat16)
+    positions = hi.long() - 1  # the step's tokens: the last 4 of each row
+    slots = slot_ids(table, positions, 16).flatten()
+    k, v = torch.randn(2, 12, 2, 64, dtype=torch.bfloat16, device="cuda")
+    k_pool, v_pool = k_pool.nan_to_num(), v_pool.nan_to_num()
+
+    def step():
+        write_kv(k_pool, v_pool, slots, k, v)
+        return attention(q, k_pool, v_pool, table, lo, hi, 0.125)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        k.copy_(torch.randn(k.shape, generator=g, device="cuda"))
+        v.copy_(torch.randn(v.shape, generator=g, device="cuda"))
+        slots.copy_(slot_ids(table, positions - seed, 16).flatten())
+        lo.fill_(seed)
+        graph.replay()
+        heads_first = k_pool.view(2, -1, 64)[:, slots].transpose(0, 1)
+        assert torch.equal(heads_first, k) and torch.equal(v_pool.view(2, -1, 64)[:, slots].transpose(0, 1), v)
+        assert_cuda_matches_cpu(*out, q, k_pool, v_pool, table, lo, hi, 0.125)
