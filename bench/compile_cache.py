@@ -6,7 +6,7 @@ compiled before helps): the warm-up itself, cold (it compiles every batch-size b
 sampling variant and saves the cache), then the same steps after loading that cache. Same options
 for both: the default model pair, --max-batch, --max-model-len.
 
-    python bench/compile_cache.py [--max-batch 2] [--max-model-len 256] [--out table.md]
+    python -m bench.compile_cache [--max-batch 2] [--max-model-len 256] [--out table.md]
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import emit_table
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
 from dspark.compile.runner import StepRunner
 from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
-from timing import emit_table
 
 
 def child(argv: list[str], cache_dir: str) -> str:
@@ -59,7 +59,7 @@ def main() -> None:
         cache = Path(folder) / "cache.bin"
         runs = {}
         for name, argv in (("cold", ["-m", "dspark.compile.warmup", "--compile-cache", str(cache)]),
-                           ("from the cache", [__file__, "--load", str(cache)])):
+                           ("from the cache", ["-m", "bench.compile_cache", "--load", str(cache)])):
             began = time.perf_counter()
             output = child(argv + options, tempfile.mkdtemp(dir=folder))
             steps = {(v, int(b)): float(s) for v, b, s in TIMING_LINE.findall(output)}

@@ -11,7 +11,7 @@ Tokens/s is new tokens over wall time (prefill included), median (and quartiles)
 the decoder; tokens/step is the mean acceptance length (bonus token included). The decoders take
 turns, `--rounds` passes over all of them, so a slow phase of the machine does not land on one row.
 
-    python bench/decode_cpu.py [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--compile]
+    python -m bench.decode_cpu [--tokens 96] [--prompts 4] [--rounds 3] [--dtype float32 bfloat16] [--compile]
         [--drafter DIR [DIR ...]] [--out table.md]
 """
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import emit_table
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.data import heldout_prompts, render
 from dspark.eval import load_drafters
 from dspark.loading import default_gguf_path
-from timing import emit_table
 
 @dataclass
 class Measured:

@@ -1,7 +1,7 @@
 """Speed of the drafter's training loss over the vocabulary, forward and backward, at the training
 step's shapes: dspark::distill_loss (one Triton kernel that writes the gradient with the terms)
-against the training step's loss before the op (commit 7c07aee's slot_losses: the same formulas,
-differentiated by autograd and compiled by Inductor), in one process.
+against its baseline, `autograd_slot_losses`: the same formulas in torch, differentiated by autograd
+and compiled by Inductor, in one process.
 
 Random bfloat16 base logits, Markov bias and target logits [rows, V] (rows = 64 sequences x 64 blocks
 x 7 slots, the default recipe's), the shipped recipe's weights (0.1 CE, 0.9 TV, 0.3 argmax CE, 1.0
@@ -10,8 +10,8 @@ backward passes after 3 warm-up ones (median). "Bytes" is the least a pass must 
 inputs read once and the gradient written once per input that takes it. Then the kernel alone at
 other tilings (vocabulary columns a program reads at a time x warps), for the op's choice.
 
-    python bench/distill_loss.py [--rows 28672] [--vocab 49152] [--out table.md]
-    python bench/distill_loss.py --smoke     # tiny shapes on the CPU: checks that it runs
+    python -m bench.distill_loss [--rows 28672] [--vocab 49152] [--out table.md]
+    python -m bench.distill_loss --smoke     # tiny shapes on the CPU: checks that it runs
 """
 from __future__ import annotations
 
@@ -21,19 +21,48 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
-from baselines import slot_losses_7c07aee
+from bench.timing import emit_table
 from dspark.ops.distill_loss import CHUNK, NUM_WARPS, launch_distill_loss
-from timing import emit_table
 
 loss_op = torch.ops.dspark.distill_loss
 WEIGHTS = (0.1, 0.9, 0.3, 1.0)  # ce, tv, argmax, kl
 
 
+def autograd_slot_losses(logits: torch.Tensor, bias: torch.Tensor | None, confidence: torch.Tensor | None,
+                         labels: torch.Tensor, target_logits: torch.Tensor, ce_weight: float, tv_weight: float,
+                         confidence_weight: float, argmax_weight: float = 0.0, kl_weight: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dspark.train.slot_losses with the terms over the vocabulary written as torch formulas and
+    differentiated by autograd (compiled, Inductor fuses their passes) instead of dspark::distill_loss:
+    the baseline of this benchmark and of bench/train_step.py's "autograd loss" variant.
+    logits, bias, target_logits: [..., V]; confidence, labels: [...] -> terms, accept, agree, log ratio [...]"""
+    logits = logits.float() if bias is None else logits.float() + bias.float()
+    log_q = logits.log_softmax(-1)
+    log_p = target_logits.float().log_softmax(-1)  # T = 1
+    target_probs = log_p.exp()
+    ce = -log_q.gather(-1, labels[..., None]).squeeze(-1)
+    tv = 0.5 * (log_q.exp() - target_probs).abs().sum(-1)
+    accept = (1 - tv.detach()).clamp_min(0.0)  # TV can exceed 1 by a rounding error
+    target_argmax = target_probs.argmax(-1, keepdim=True)
+    agree = (logits.detach().argmax(-1, keepdim=True) == target_argmax).squeeze(-1).float()
+    log_ratio = (log_q - log_p).detach().gather(-1, labels[..., None]).squeeze(-1)
+    terms = ce_weight * ce + tv_weight * tv
+    if argmax_weight:
+        terms = terms + argmax_weight * -log_q.gather(-1, target_argmax).squeeze(-1)
+    if kl_weight:
+        terms = terms + kl_weight * (target_probs * (log_p - log_q)).sum(-1)
+    if confidence is not None:
+        terms = terms + confidence_weight * F.binary_cross_entropy_with_logits(
+            confidence.float(), accept, reduction="none")
+    return terms, accept, agree, log_ratio
+
+
 def inductor_losses(logits, bias, target_logits, labels):
-    """The terms, 1 - TV and agreement as the training step computed them before the op (7c07aee)."""
-    return slot_losses_7c07aee(logits, bias, None, labels, target_logits, *WEIGHTS[:2], 0.0, *WEIGHTS[2:])
+    """The terms, 1 - TV and agreement of the baseline (autograd_slot_losses)."""
+    return autograd_slot_losses(logits, bias, None, labels, target_logits, *WEIGHTS[:2], 0.0, *WEIGHTS[2:])[:3]
 
 
 def op_losses(logits, bias, target_logits, labels):
@@ -86,7 +115,7 @@ def main():
     upstream = torch.rand(args.rows, device=device, generator=g)
     leaves = [t.requires_grad_() for t in (logits, bias)]
     results, rows = {}, []
-    for name, fn in (("Inductor: the formulas, autograd (7c07aee)", inductor_losses),
+    for name, fn in (("Inductor: the formulas, autograd", inductor_losses),
                      ("dspark::distill_loss", op_losses)):
         compiled = torch.compile(fn)
 

@@ -23,11 +23,11 @@ the one before left there). Variants, in one process:
   matrix W2 read once per position, the base logits read once, the float32 biased logits written
   and read back once, the float32 proposals written once.
 
-    python bench/drafting.py --out table.md             # H200: B = 1, 8, 44, 88; K = 7; V = 200064
-    python bench/drafting.py --tiles 64x16 256x32        # also these step tilings
-    python bench/drafting.py --proposal-chunks 2048 8192 # also these proposal chunks
-    python bench/drafting.py --smoke                     # CPU, tiny shapes: checks that it runs
-    python bench/drafting.py --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks
+    python -m bench.drafting --out table.md             # H200: B = 1, 8, 44, 88; K = 7; V = 200064
+    python -m bench.drafting --tiles 64x16 256x32        # also these step tilings
+    python -m bench.drafting --proposal-chunks 2048 8192 # also these proposal chunks
+    python -m bench.drafting --smoke                     # CPU, tiny shapes: checks that it runs
+    python -m bench.drafting --batches 88 --profile 20   # and the kernels of 20 eager dspark blocks
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ import datetime
 import torch
 import triton
 
+from bench.timing import emit_table, median_us, print_profile
 from dspark.drafting import ancestral_draft
 from dspark.markov import VanillaMarkov
 from dspark.ops import gumbel_max, gumbel_pick, gumbel_step
-from timing import emit_table, median_us, print_profile
 
 
 def stream_bandwidth(device: torch.device, nbytes: int) -> float:

@@ -10,8 +10,8 @@ baseline; greedy rows and T = 1 rows. Each step as the engine takes it: the step
 its outputs, the next inputs written back. Median over `--steps` steps after three warm-up steps
 (the first captures the graph).
 
-    python bench/engine_step.py [--batches 1 8 32] [--steps 50] [--out table.md]
-    python bench/engine_step.py --smoke        # CPU, a tiny target, no graphs: checks that it runs
+    python -m bench.engine_step [--batches 1 8 32] [--steps 50] [--out table.md]
+    python -m bench.engine_step --smoke        # CPU, a tiny target, no graphs: checks that it runs
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import time
 
 import torch
 
+from bench.models import SMOKE, SMOLLM2
+from bench.timing import emit_table
 from dspark import (DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetModel,
                     load_drafter)
 from dspark.compile.runner import StepRunner
 from dspark.loading import DEFAULT_DRAFTER, measuring_dtype
-from models import SMOKE, SMOLLM2
-from timing import emit_table
 
 PROMPT_LEN = 32
 

@@ -9,9 +9,9 @@ next, so the device waits for the host every step. Half the rows greedy, half at
 does not depend on the weights; no row meets a stop token, so every call runs the same steps).
 The variants take turns, each call timed with a device synchronisation at both ends.
 
-    python bench/generation.py [--batch 2048] [--max-tokens 192] [--rounds 2] [--out table.md]
-    python bench/generation.py --profile    # and the kernels of one eager generate call of dspark's
-    python bench/generation.py --smoke      # CPU, a tiny target, eager only: checks that it runs
+    python -m bench.generation [--batch 2048] [--max-tokens 192] [--rounds 2] [--out table.md]
+    python -m bench.generation --profile    # and the kernels of one eager generate call of dspark's
+    python -m bench.generation --smoke      # CPU, a tiny target, eager only: checks that it runs
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import time
 
 import torch
 
+from bench.models import SMOKE, SMOLLM2
+from bench.timing import emit_table, print_profile
 from dspark import SamplingParams, SpeculativeDecoder, TargetModel
 from dspark.loading import measuring_dtype
-from models import SMOKE, SMOLLM2
 from prefill import draw_prompts
-from timing import emit_table, print_profile
 
 
 class ReadsAtOnce(SpeculativeDecoder):

@@ -3,7 +3,7 @@
 apart, as the loaders ran before) parses it twice. The gguf package's reader spends most of a parse
 on SmolLM2's tokenizer metadata (100 k strings). The variants take turns; wall seconds, float32, CPU.
 
-    python bench/load.py [--rounds 3] [--out table.md]
+    python -m bench.load [--rounds 3] [--out table.md]
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from bench.timing import emit_table
 from dspark.loading import default_gguf_path, load_gguf, load_target
 from dspark.tokenizer import Tokenizer
-from timing import emit_table
 
 
 def parsed_twice(path):

@@ -9,9 +9,9 @@ round draws new prompts (new shapes, as every new batch does) and is timed with 
 synchronisation at both ends; the variants take turns. A target of SmolLM2-135M's shapes with
 random bfloat16 weights (speed does not depend on the weights).
 
-    python bench/prefill.py [--batch 2048] [--lengths 60 100] [--rounds 3] [--out table.md]
-    python bench/prefill.py --profile       # and the kernels each variant's batch prefill runs
-    python bench/prefill.py --smoke         # CPU, a tiny target: checks that it runs
+    python -m bench.prefill [--batch 2048] [--lengths 60 100] [--rounds 3] [--out table.md]
+    python -m bench.prefill --profile       # and the kernels each variant's batch prefill runs
+    python -m bench.prefill --smoke         # CPU, a tiny target: checks that it runs
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import time
 import torch
 from torch.nn.attention import SDPBackend
 
+from bench.models import SMOKE, SMOLLM2
+from bench.timing import emit_table, print_profile
 import dspark.decoder
 from dspark import SamplingParams, SpeculativeDecoder, TargetModel
 from dspark.loading import measuring_dtype
 from dspark.sampling import SamplingTensors
-from models import SMOKE, SMOLLM2
-from timing import emit_table, print_profile
 
 VARIANTS = {"torch's choice (cuDNN allowed)": [*dspark.decoder.PREFILL_ATTENTION, SDPBackend.CUDNN_ATTENTION],
             "without cuDNN (dspark)": dspark.decoder.PREFILL_ATTENTION}

@@ -10,8 +10,8 @@ its bundled ptxas and cuobjdump give the SASS. Static counts: every
 instruction once, the division's slow paths included (Nsight Compute counted 113 executed
 instructions per token at 1024-token tiles where this counts 126 for the same commit).
 
-    python bench/step_sass.py                     # the default tilings
-    python bench/step_sass.py --tiles 4096x1 2048x2 --low-rank-tiles 128x1 128x16
+    python -m bench.step_sass                     # the default tilings
+    python -m bench.step_sass --tiles 4096x1 2048x2 --low-rank-tiles 128x1 128x16
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import tempfile
 import torch
 import triton
 
+from bench.timing import emit_table
 from dspark.ops.aot import LaunchRecorder
 from dspark.ops.gumbel_max import GROUP_SIZE, STEP_TILES, num_units, step_tiles
 from dspark.ops.gumbel_step import launch_step
 from drafting import tile_pair
-from timing import emit_table
 
 RANK = 256  # the drafting benchmark's Markov rank
 VOCAB = 200064

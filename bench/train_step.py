@@ -4,9 +4,10 @@ the whole step's forward compiled (the target's and each drafter's, loss include
 with length-bucketed batches (`dspark.train.BatchOrder`, --bucket-batches 16) instead of batches
 of random sequences; the compiled step with the host waiting for each step's statistics before it
 makes the next batch (and copying it from pageable memory), and that with the loss over the
-vocabulary as Inductor compiled its formulas before dspark::distill_loss (commit 7c07aee's step);
-and that with the baseline target of commit d088ec2 (`MaskedTarget`: a dense causal mask in the
-training forward, float32 logits at the slots).
+vocabulary as torch formulas that autograd differentiates and Inductor fuses instead of
+dspark::distill_loss (`autograd_slot_losses`, bench/distill_loss.py); and that with a target whose
+training forward attends through a dense causal mask and gives float32 logits at the slots
+(`MaskedTarget`) instead of SDPA's is_causal and the model's dtype.
 
 A target of SmolLM2-135M's shapes with random bfloat16 weights (speed does not depend on the
 weights), the default drafter and its rank-0 twin (--no-rank0-twin: the drafter alone), sequences
@@ -17,11 +18,11 @@ timed over --steps steps with a device synchronisation at both ends; all but the
 the same batches. The table counts the graphs each variant compiled: a count that grows with the
 steps would mean a compilation per batch length.
 
-    python bench/train_step.py                  # GPU
-    python bench/train_step.py --profile 3      # and where each variant's step time goes
-    python bench/train_step.py --variants "compiled step" "compiled step, length buckets" \
+    python -m bench.train_step                  # GPU
+    python -m bench.train_step --profile 3      # and where each variant's step time goes
+    python -m bench.train_step --variants "compiled step" "compiled step, length buckets" \
         --no-rank0-twin --lengths-from ~/run/sequences.jsonl   # the shipped run's recipe and data
-    python bench/train_step.py --smoke          # CPU, tiny shapes: checks that it runs
+    python -m bench.train_step --smoke          # CPU, tiny shapes: checks that it runs
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ import torch
 import triton
 from torch._dynamo.utils import counters
 
+from bench.distill_loss import autograd_slot_losses
+from bench.models import SMOLLM2
+from bench.timing import emit_table, print_profile
 import dspark.train.step
 from dspark.config import TargetConfig
 from dspark.data import Sequence
@@ -44,16 +48,13 @@ from dspark.loading import measuring_dtype
 from dspark.target import TargetModel, grouped_mask
 from dspark.train import (Batch, BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students,
                           slot_losses, train_step)
-from baselines import slot_losses_7c07aee
-from models import SMOLLM2
-from timing import emit_table, print_profile
 
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
 
 
 class MaskedTarget(TargetModel):
-    """The baseline target of commit d088ec2 and before: its training forward attends through a dense
-    causal mask (which the attention expands in every layer) and gives float32 logits at the slots."""
+    """The baseline target: its training forward attends through a dense causal mask (which the
+    attention expands in every layer) and gives float32 logits at the slots."""
 
     def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
         if self.max_seq_len is not None:
@@ -76,9 +77,9 @@ class Variant(NamedTuple):
 VARIANTS = {"eager": Variant("none"), "compiled loss": Variant("loss"), "compiled step": Variant("all"),
             "compiled step, length buckets": Variant("all", 16),
             "compiled step, waiting for each step": Variant("all", waits=True),
-            "compiled step, waiting, Inductor loss (7c07aee)": Variant("all", losses=slot_losses_7c07aee,
-                                                                        waits=True),
-            "compiled step, masked target (d088ec2)": Variant("all", 1, MaskedTarget, slot_losses_7c07aee, True)}
+            "compiled step, waiting, autograd loss": Variant("all", losses=autograd_slot_losses, waits=True),
+            "compiled step, waiting, autograd loss, masked target": Variant("all", 1, MaskedTarget,
+                                                                            autograd_slot_losses, True)}
 
 
 def use(variant: Variant) -> None:

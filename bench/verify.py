@@ -5,8 +5,8 @@ Random bfloat16 target logits [B, K+1, V], proposals near the target (so that dr
 drafts drawn from them, T = 1. Each implementation is captured in a CUDA graph; the time is the median
 of the replays, measured with CUDA events.
 
-    python bench/verify.py [--batch 1 8 64] [--k 7] [--vocab 200064] [--out verify.md]
-    python bench/verify.py --smoke   # tiny shapes, any device: checks that the script runs
+    python -m bench.verify [--batch 1 8 64] [--k 7] [--vocab 200064] [--out verify.md]
+    python -m bench.verify --smoke   # tiny shapes, any device: checks that the script runs
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import argparse
 import torch
 import triton
 
+from bench.timing import emit_table, median_us
 from dspark.ops.verify import verify_torch
-from timing import emit_table, median_us
 
 verify = torch.ops.dspark.verify
 

@@ -10,6 +10,12 @@ tells the whole of it. One job per module, each importing only those above it in
     resume    the run's checkpoint and the export in DeepSpec's format
     loop      train(): steps, logs, checks, checkpoints
     cli       the command: data generation beside compilation, then train()
+
+Two tools stand beside the command (they import from the package; nothing in it imports them):
+
+    probe              python -m dspark.train.probe: recipes trained to one step on one data set
+    heldout_estimates  python -m dspark.train.heldout_estimates: the log's held-out estimates of
+                       trained drafters, without decoding
 """
 from dspark.train.batches import Batch, BatchOrder, FollowUps, heldout_batches, make_batch
 from dspark.train.cli import MASK_TOKEN, generate_data, heldout_sequences, main, parse_args

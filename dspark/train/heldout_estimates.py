@@ -1,14 +1,15 @@
-"""Teacher-forced estimates of drafters on the held-out prompts' greedy and sampled responses.
+"""python -m dspark.train.heldout_estimates: the training log's held-out estimates for drafters
+already trained, to compare them without decoding.
 
-The training log's held-out estimates, for drafters already trained (anchors drawn per batch, as
-in training: at another --batch-size than the run's, other anchors): each held-out prompt answered
-twice by the target (greedily, and at temperature 1), every drafter's 1 - TV and argmax agreement
-per position on each kind of response, and the AL estimates they give ("reach": 1 + sum_k
-E[reach_k (1 - TV_k)], on the sampled responses the expected AL of standard verification at T = 1,
-see dspark.train.loss). A drafter can gain on the greedy responses (the text a decode at T = 0
-walks) and not on the sampled ones (what T = 1 meets).
+Each held-out prompt is answered twice by the target, greedily and at temperature 1, with the
+training command's defaults (cached in --cache); for every drafter it prints 1 - TV and argmax
+agreement per position on each kind of response, and the AL estimates they give ("reach": 1 +
+sum_k E[reach_k (1 - TV_k)], on the sampled responses the expected AL of standard verification at
+T = 1, see dspark.train.loss). A drafter can gain on the greedy responses (the text a decode at
+T = 0 walks) and not on the sampled ones (what T = 1 meets). Anchors are drawn per batch as in
+training, so another --batch-size draws other anchors.
 
-    python scripts/heldout_estimates.py --drafter dspark/assets/drafter RUN/drafter   # CPU, float32
+    python -m dspark.train.heldout_estimates --drafter dspark/assets/drafter RUN/drafter   # CPU, float32
 """
 from __future__ import annotations
 
@@ -18,23 +19,27 @@ from pathlib import Path
 import torch
 
 from dspark.checkpoint import load_drafter
+from dspark.data import heldout_prompts
 from dspark.eval import drafter_labels
 from dspark.loading import load_default_target
-from dspark.train import Student, TrainConfig, evaluate_students, heldout_batches
-from heldout import heldout_responses
+from dspark.train import Student, TrainConfig, evaluate_students, heldout_batches, heldout_sequences, parse_args
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dspark.train.heldout_estimates", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", type=Path, nargs="+", required=True, help="DeepSpec-format drafter folders")
     p.add_argument("--cache", type=Path, default=Path("heldout-responses.jsonl"),
                    help="where the target's held-out responses are cached")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (memory: logits of all anchors)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     target, tokenizer = load_default_target(dtype=torch.float32, device="cpu")
-    sets = heldout_responses(target, tokenizer, args.cache)
+    trainer = parse_args(["--out", "unused"])  # the training command's response settings
+    sets = heldout_sequences(target.eval(), tokenizer, heldout_prompts(), args.cache,
+                             max_prompt_tokens=trainer.max_prompt_tokens, max_tokens=trainer.max_tokens,
+                             seed=trainer.seed, batch_size=160)
     config = TrainConfig(batch_size=args.batch_size)
     print("| drafter | responses | AL estimate T = 1 | reach AL estimate T = 1 | AL estimate T = 0 "
           "| 1 - TV, positions 1..K | argmax agreement, positions 1..K |\n|---|---|---|---|---|---|---|")

@@ -1,4 +1,5 @@
-"""Probes of training recipes: the first steps of one schedule, recipe after recipe, on one data set.
+"""python -m dspark.train.probe: training recipes probed one after another on one data set, each to
+the same step of a shared schedule.
 
 A probe is `python -m dspark.train` with the shared flags (after `--`), its own flags and
 `--stop-at`. The first probe generates the data (seeded, so every probe's data are the same); the
@@ -7,7 +8,7 @@ stop step is not run again, and a cut one resumes, so the same command can be re
 lost machine or split over calls. Prints each probe's held-out estimates: the AL estimate on the
 sampled responses (T = 1) and the greedy AL estimate on the greedy ones (T = 0).
 
-    python scripts/probe_recipes.py --out ~/probes --stop-at 2000 --probe control= \\
+    python -m dspark.train.probe --out ~/probes --stop-at 2000 --probe control= \\
         --probe gamma2.5="--decay-gamma 2.5" -- --device cuda --no-rank0-twin --steps 13206 \\
         --argmax-weight 0.3 --kl-weight 0.3 --synthetic-prompts 49152 --responses-per-prompt 2
 """
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dspark.train.resume import CHECKPOINT
 
 CACHES = ("synthetic.jsonl", "sequences.jsonl", "heldout.jsonl")  # what dspark.train generates
 
@@ -56,14 +59,15 @@ def parse_probe(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(flags)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dspark.train.probe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="one run folder per probe under it")
     p.add_argument("--stop-at", type=int, required=True, help="steps of each probe")
     p.add_argument("--heldout-every", type=int, default=1000)
     p.add_argument("--probe", type=parse_probe, action="append", required=True, help="NAME=FLAGS, in order")
     p.add_argument("shared", nargs=argparse.REMAINDER, help="-- then the flags every probe shares")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     names = [name for name, _ in args.probe]
     if len(set(names)) < len(names):
         p.error(f"probe names must differ (each is a run folder), got {names}")
@@ -77,7 +81,7 @@ def main() -> None:
         run.mkdir(parents=True, exist_ok=True)
         if donor is not None:
             copy_caches(donor, run)
-        resume = ["--resume"] if (run / "checkpoint.pt").exists() else []
+        resume = ["--resume"] if (run / CHECKPOINT).exists() else []
         command = [sys.executable, "-m", "dspark.train", "--out", str(run), *shared, *flags, *resume,
                    "--stop-at", str(args.stop_at), "--heldout-every", str(args.heldout_every)]
         print(f"probe {name}: {shlex.join(command)}", flush=True)
