@@ -83,8 +83,8 @@ class TargetConfig:
 
 def _hf_defaults(d: dict[str, Any]) -> None:
     """Gives the keys an HF `config.json` leaves out HF's defaults, not this module's test defaults
-    (a missing tie_word_embeddings once tied an untied model's LM head to its embeddings); refuses
-    an MLP other than SwiGLU."""
+    (HF's tie_word_embeddings defaults to false: a model whose config leaves it out has an LM head of
+    its own); refuses an MLP other than SwiGLU."""
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
     d.setdefault("tie_word_embeddings", False)

@@ -249,7 +249,8 @@ def self_distill(target: TargetModel, prompts: list[list[int]], path: Path, *, m
     response_params), `batch_size` per batch, appending each batch to the JSONL cache at `path`.
     Batches take the prompts in order of length, so a batch's KV cache is as short as its longest
     prompt allows and its prefill has few distinct lengths; on CUDA each batch's steps replay a
-    CUDA graph (eager, a step of 2048 rows takes 1.7-2.8x as long). Before each batch `stop(number of
+    CUDA graph (eager steps of 2048 rows are bound by their launches: `python -m bench.engine_step
+    --batches 2048`). Before each batch `stop(number of
     responses so far)` may end the call; `progress(n)` hears of n more responses. Returns the
     sequences (all of them in prompt order, or those so far) and whether all are done."""
     if responses_per_prompt < 1:

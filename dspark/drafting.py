@@ -35,8 +35,8 @@ def ancestral_draft(logits: Tensor, hidden: Tensor | None, head: VanillaMarkov |
     request's draft noise; slots [B] int64: each row's slot in draft_probs [S, K, V] float32.
     tiles: the step's (block_v, block_b): vocabulary tokens and batch rows per program (default:
     gumbel_max.step_tiles). fuse_bias: whether the step computes the Markov bias from the head's
-    rank-r factor and W2, or a GEMM through the head writes each bias [B, V] before the step (the
-    seed's design); default gumbel_max.bias_in_step(B).
+    rank-r factor and W2, or a GEMM through the head writes each bias [B, V] before the step;
+    default gumbel_max.bias_in_step(B).
     """
     batch, positions, vocab = logits.shape
     fuse_bias = head is not None and (bias_in_step(batch) if fuse_bias is None else fuse_bias)

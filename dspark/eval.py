@@ -11,7 +11,7 @@ K drafts per step and the decoder's counters are summed over the prompts:
   accepted past a stop) and above tokens per step, by at most K and 1 tokens per request;
 - AL per prompt domain (chat, code, math, prose).
 `--top-p` samples from the target's top-p nucleus at T > 0 (the drafts stay temperature-only; the
-verification is exact against the filtered law), as the seeds' benchmarks do (T = 1, top-p 0.95).
+verification is exact against the filtered law), the common benchmark setting T = 1, top-p 0.95.
 Prints a markdown table and writes it to --out. `--prompts train` decodes training prompts instead
 (those of a run with seed 0, as every shipped run; not the prompts the target wrote, nor those over
 the run's --max-prompt-tokens): against the held-out table it shows how much a drafter learned its

@@ -45,8 +45,8 @@ def fast_dtype(device: str | torch.device) -> torch.dtype:
     """The dtype the server and `python -m dspark.generate` run in by default (dspark.eval and
     dspark.train keep float32 on the CPU, for exact figures): bfloat16 on CUDA and on CPUs with oneDNN
     bfloat16 kernels (batch-1 decoding streams every weight once per step, and bfloat16 halves those
-    bytes: on the project's 2-core CPU 1.5x for plain and 1.9x for speculative decoding, see
-    docs/performance.md), float32 elsewhere. The library's loaders default to float32."""
+    bytes: `python -m bench.decode_cpu --dtype bfloat16 float32` compares), float32 elsewhere. The
+    library's loaders default to float32."""
     if torch.device(device).type == "cuda" or (torch.backends.mkldnn.is_available()
                                                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return torch.bfloat16
@@ -89,8 +89,9 @@ def load_default_target(dtype: torch.dtype = torch.float32, device: str | torch.
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> tuple[TargetModel, Tokenizer]:
-    """A .gguf file's model and its tokenizer, from one parse of the file (the gguf package's reader
-    takes 8 s on 2 cores to parse SmolLM2's metadata, most of it the tokenizer's 100 k strings)."""
+    """A .gguf file's model and its tokenizer, from one parse of the file: the gguf package's reader
+    spends most of a load parsing the metadata, the tokenizer's strings above all (`python -m
+    bench.load` compares one parse against two)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such .gguf file")

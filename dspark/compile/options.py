@@ -8,9 +8,9 @@ folder, or "none" to serve without speculation), num_speculative_tokens (0: no s
 rejection_sample_method ("standard" | "block"), draft_sample_method ("probabilistic" | "greedy";
 greedy drafts the argmax chain, still lossless), and TensorRT-LLM's: decoding_type ("DSpark", for
 method), speculative_model or speculative_model_dir (for model), max_draft_len (for
-num_speculative_tokens), use_rejection_sampling (false = greedy drafts). So the seed's
-`{"decoding_type": "DSpark", "max_draft_len": 7, "speculative_model": ..., "use_rejection_sampling":
-true, "rejection_sample_method": "block"}` serves as it reads.
+num_speculative_tokens), use_rejection_sampling (false = greedy drafts). So a TensorRT-LLM DSpark
+config, `{"decoding_type": "DSpark", "max_draft_len": 7, "speculative_model": ...,
+"use_rejection_sampling": true, "rejection_sample_method": "block"}`, serves as it reads.
 """
 from __future__ import annotations
 

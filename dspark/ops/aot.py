@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of the ops' Triton kernels for a GPU target on any machine (no GPU or
-driver needed): what a launch on the H200 (sm_90) compiles. The CPU tests compile the launches the
+driver needed): what a launch on a Hopper GPU (sm_90) compiles. The CPU tests compile the launches the
 ops' own launchers make (LaunchRecorder, with meta tensors), which catches what the Triton
 interpreter does not check (the compiled language's typing, layouts, resources);
 bench/step_sass.py reads the machine code."""
@@ -10,14 +10,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-H200 = GPUTarget("cuda", 90, 32)
+SM90 = GPUTarget("cuda", 90, 32)  # Hopper, the GPU the kernels are tuned for
 POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
                  torch.int32: "*i32"}
 
 
 def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: int, aligned: tuple[str, ...] = (),
                    launch_pdl: bool = False):
-    """The compiled `kernel` (a @triton.jit function) for the H200 (sm_90). types: Triton types of the
+    """The compiled `kernel` (a @triton.jit function) for sm_90. types: Triton types of the
     pointer and scalar arguments ("*bf16", "i64", ...; int32 where missing); constexprs: the
     compile-time arguments. Pointers and the `aligned` arguments are specialized as multiples of 16,
     as a launch at the ops' shapes (V = 200064 and its strides) specializes them. launch_pdl: for a
@@ -25,7 +25,7 @@ def compile_kernel(kernel, types: dict[str, str], constexprs: dict, num_warps: i
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in aligned}
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=H200,
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=SM90,
                           options={"num_warps": num_warps, "launch_pdl": launch_pdl})
 
 
@@ -41,7 +41,7 @@ def scalar_or_pointer_type(arg) -> str:
 class LaunchRecorder:
     """A `wrap` for the ops' launchers (`launch_step(wrap, ...)`): `wrap(kernel)[grid](*args, **kw)`
     records the launch instead of running it; `compile_all()` compiles every recorded launch for the
-    H200, its argument types taken from the tensors (meta tensors do) and scalars given."""
+    sm_90, its argument types taken from the tensors (meta tensors do) and scalars given."""
 
     def __init__(self):
         self.launches = []

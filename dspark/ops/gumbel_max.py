@@ -25,8 +25,8 @@ On Hopper both kernels are launched eagerly as programmatic dependents of the ke
 launch, so the next kernel's programs are placed on the GPU while this one's last programs run,
 read what no kernel of the block writes (the step: the base logits; the pick: temperature, seed,
 offset, slot) and wait for the kernel before to finish before they read anything else or write.
-That takes the launch gap out of the chain of 2K dependent kernels (on the H200 9-11 µs per block
-of 7 positions at B = 1, 8, 44 and 88; bench/drafting.py, "no PDL").
+That takes the launch gaps out of the chain of 2K dependent kernels (`python -m bench.drafting`,
+the "no PDL" column).
 
 Greedy rows (T = 0) take the argmax of the biased logits (smallest id on ties), without noise. NaN
 base logits (CUDA-graph padding rows) count as 0, so such a row draws from the bias alone.
@@ -48,20 +48,17 @@ BIAS_IN_STEP_MAX_ROWS = 8  # the largest batch whose step computes the Markov bi
 
 def bias_in_step(batch: int) -> bool:
     """Whether the step computes the Markov bias of `batch` rows from the head's factor (else a cuBLAS
-    GEMM writes it first). On the H200 (bench/drafting.py, docs/performance.md) the step that streams
-    W2 itself takes 13% off a block at 8 rows and 18% at 1 (263 against 301 µs, 216 against 263), but
-    is 40% and 100% slower at 44 and 88 rows (654 against 467, 1398 against 697: below the copy
-    bandwidth with its 128-row tiles), where the GEMM design stays."""
+    GEMM writes it first). Up to BIAS_IN_STEP_MAX_ROWS rows the step that streams W2 itself makes the
+    block faster; at larger batches its 128-row tiles run below the copy bandwidth and the GEMM wins
+    (`python -m bench.drafting`, the "bias in step" and "bias GEMM" columns)."""
     return batch <= BIAS_IN_STEP_MAX_ROWS
 
 
 def step_tiles(batch: int, low_rank: bool = False) -> tuple[int, int]:
-    """The step's tiles for a batch of `batch` rows. A dense bias or none: STEP_TILES, one warp each
-    (on the H200 2-3% faster blocks at B = 44 and 88 than 2048-token tiles with 2 warps, and than
-    runs of tiles per program with their loads pipelined; docs/performance.md). A low-rank bias:
-    128-token tiles of all rows up to 128, so that W2 is read once per position (64- and 256-token
-    tiles were slower on the H200); one row on the CUDA cores, more on tensor cores (at least MIN_DOT
-    rows: at B = 1 the CUDA-core product made the H200's block 12 µs faster, 227 -> 215 µs)."""
+    """The step's tiles for a batch of `batch` rows. A dense bias or none: STEP_TILES, one warp each.
+    A low-rank bias: 128-token tiles of all rows up to 128, so that W2 is read once per position;
+    one row on the CUDA cores, more on tensor cores (at least MIN_DOT rows). Each choice is the
+    fastest block of those `python -m bench.drafting --tiles ...` compares."""
     if low_rank:
         return 128, 1 if batch == 1 else min(128, max(MIN_DOT, triton.next_power_of_2(batch)))
     return STEP_TILES
@@ -76,9 +73,8 @@ def rank_chunk(rank: int) -> int:
 def proposal_chunk(block_v: int, group_size: int) -> int:
     """Vocabulary tokens per proposal program of the pick after a step of `block_v`-token tiles:
     PROPOSAL_CHUNK, twice that where the step's units are smaller than a group (the low-rank step's
-    128 tokens: each program merges 8 times as many unit statistics). On the H200 (whole blocks)
-    8,192 against 4,096 tokens: B = 1 229 -> 227 µs, B = 8 271 -> 263; B = 44 / 88 (1,024-token
-    units) 466 -> 476, 700 -> 709."""
+    128 tokens: each program merges 8 times as many unit statistics). The larger chunk makes small
+    batches' blocks faster and large ones' slower (`python -m bench.drafting --proposal-chunks`)."""
     return PROPOSAL_CHUNK if unit_size(block_v, group_size) == group_size else 2 * PROPOSAL_CHUNK
 
 

@@ -6,10 +6,9 @@ statistics. The race program runs the two races (the winning group's logits read
 token and gathers the next Markov embedding; the others write the position's proposal softmax(x)
 into `draft_probs`, reading the logits as the step did: the base logits and the bias, or the biased
 logits the step wrote, with the same rounding (but for the last float32 bit of x - max, which the
-GPU compiler contracts into one FMA, below exp's own error). So the seed's float32 biased logits,
-written by the step and read back by a proposal pass after the block, are neither written nor read
-when the bias is given: per token and position the step reads the base logits and the bias, the
-pick reads them again (mostly from L2, where the step left them) and writes the proposal (marked
+GPU compiler contracts into one FMA, below exp's own error). So when the bias is given, no float32
+biased logits are written by the step and read back by a proposal pass after the block: per token
+and position the step reads the base logits and the bias, the pick reads them again (mostly from L2, where the step left them) and writes the proposal (marked
 evict_first: the verification reads it only after the target's forward).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One launch per draft position, tiles of `block_v` tokens x `block_b` rows. It reads the position's
 logits, base_k (NaN as 0) + bias, and writes per unit of min(block_v, group_size) tokens the softmax
 statistics of x and the argmax of x. The bias comes either as it is, [B, V] (a cuBLAS GEMM through
-the head before the step: the seed's design), or as its rank-r factor v [B, r] with the head's W2
+the head before the step), or as its rank-r factor v [B, r] with the head's W2
 [V, r]: then the step computes v W2^T itself, a tile of W2 against all the rows of its row tile (on
 tensor cores; a single row on the CUDA cores), so W2 is streamed once per position and the bias is
 never written out (drafting does so for small batches: bias_in_step); that step writes the biased
@@ -135,8 +135,7 @@ def launch_step(wrap, logits, bias, w2, temperature, k, biased, block_v, block_b
 def step_warps(block_v: int, block_b: int, low_rank: bool) -> int:
     """Warps per step program. Low-rank tiles: 4 up to 4096 tokens per tile, else 8. Others: one per
     1,024 tokens (32 per thread; up to 8), where shuffles and reduction steps take fewer instructions
-    per token than with more threads (SASS for sm_90: 26 per token at 1024 x 1 with one warp, 28 at
-    2048 x 1 with 2 warps, 39 with 4)."""
+    per token than with more threads (`python -m bench.step_sass` counts them per tiling)."""
     if low_rank:
         return 4 if block_b * block_v <= 4096 else 8
     return min(8, max(1, block_b * block_v // 1024))

@@ -33,13 +33,12 @@ class BatchOrder:
     cut into runs of `config.bucket_batches` batches; each run is sorted by length and cut into
     batches, and the epoch's batches are shuffled. So every sequence is seen once an epoch (but for
     the last len % batch_size of the permutation). With bucket_batches = 1 (the default) a batch
-    holds random sequences, padded to its longest: 2.2 times its real tokens on the self-distilled
-    data's lengths (short chat prompts beside stdlib code of up to 512 tokens); with 16, 1.26 times,
-    and the target's forward shrinks with it. But buckets of similar lengths are batches of similar
-    prompts (the long ones are code), and the sixth training run (docs/training-runs.md), the one with
-    buckets, reached lower estimates at a given step than earlier runs' random batches, by more than
-    its 1.15x steps a second could make up (not an A/B: its schedule differed). A function of
-    (lengths, config, step), so a resumed run sees the same batches."""
+    holds random sequences, padded to its longest: about twice its real tokens on the self-distilled
+    data's lengths (short chat prompts beside stdlib code of up to 512 tokens); buckets pad far less,
+    and the target's forward shrinks with them. But buckets of similar lengths are batches of similar
+    prompts (the long ones are code), and the run trained with them reached lower estimates at a
+    given step than random batches, by more than its faster steps made up (docs/training.md, the
+    recipes tried). A function of (lengths, config, step), so a resumed run sees the same batches."""
 
     def __init__(self, lengths: list[int], config: TrainConfig):
         if len(lengths) < config.batch_size:
@@ -76,8 +75,7 @@ class FollowUps:
     anchor p, whose first n(p) slots agree with the target's argmax, a decoder at T = 0 accepts n(p)
     drafts and drafts its next block from p + n(p) + 1, the target's own token (after a miss, unless
     all K drafts agreed). Uniform anchors under-sample those positions, so the log's estimates
-    exceed the decoded AL (docs/training-runs.md, "The training log's AL estimate and the decoder's
-    AL"); make_batch places a share `config.followup_anchors` of a sequence's anchors on them. Exact
+    exceed the decoded AL (docs/training.md, "The log's estimates and decoded AL"); make_batch places a share `config.followup_anchors` of a sequence's anchors on them. Exact
     on greedy responses; on sampled ones, whose tokens leave the argmax path, a proxy for the same
     (positions after a disagreement). Saved with the checkpoint, so a resumed run continues exactly."""
 

@@ -31,7 +31,8 @@ The target is frozen; the drafter shares its embedding and LM head (frozen too).
   zeroes: TV's gradient on a token's logit is proportional to the token's draft probability.
   --reach-weights weighs each slot also by the chance that standard verification at T = 1 reaches
   it along the response's own tokens, relative to its position's mean (dspark.train.loss), so that
-  training meets prefixes as often as a decode does (measured: worse at both temperatures).
+  training meets prefixes as often as a decode does (it trains worse at both temperatures:
+  docs/training.md).
 
 Progress shows the loss, the expected acceptance 1 - TV per position and the expected acceptance
 length AL = 1 + sum_k prod_{i<=k} (1 - TV_i) under teacher forcing, and the same at T = 0 from the

@@ -14,8 +14,8 @@ decoder's AL less the bonus token: teacher forcing with the target's tokens weig
 the target draws it, verification as the drafter's drafts survive. `--reach-weights` multiplies
 each slot's weight by its reach (detached), divided by the batch's mean reach at its position, so
 the position weights stay exp(-k / gamma) on average and, within a position, the prefixes a decode
-walks weigh more. Measured, it trains worse at both temperatures (docs/training-runs.md, the
-twenty-seventh run): off by default."""
+walks weigh more. It trains worse at both temperatures (docs/training.md, the recipes tried): off
+by default."""
 from __future__ import annotations
 
 import dataclasses

@@ -28,9 +28,9 @@ def autocast(device: torch.device):
 # What torch.compile covers in a training step: nothing, the per-slot loss over the vocabulary, or
 # the whole step's forward (the default on the GPU): the target's and each drafter's, loss included.
 COMPILE_MODES = ("none", "loss", "all")
-# Inductor's mix-order reduction (on the GPU) guards on the batch's size: in the training runs on the
-# H200 (TORCH_LOGS=recompiles) the drafter's step compiled twice more inside compile_ahead, at two
-# batch lengths. Its non-strict mode skips those size checks.
+# Inductor's mix-order reduction (on the GPU) guards on the batch's size, so without its non-strict
+# mode (which skips those size checks) the drafter's step compiles again inside compile_ahead at
+# other batch lengths (TORCH_LOGS=recompiles shows it).
 INDUCTOR_OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
                     if hasattr(torch._inductor.config.triton, "mix_order_reduction_non_strict_mode") else None)
 
