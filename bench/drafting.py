@@ -1,4 +1,4 @@
-"""Drafting alone: one block of K ancestral drafts, the seed's "drafting alone" table.
+"""Drafting alone: one block of K ancestral drafts, against a plain torch loop and the variants below.
 
 B x K x V bfloat16 base logits, a rank-r vanilla Markov head in bfloat16, random data. Each variant
 runs the whole block; on GPU it is captured in a CUDA graph after warm-up and timed by replays
