@@ -1,66 +1,81 @@
-"""The engine's counters for people and for scrapers: Prometheus text exposition with vLLM's metric
-names under the `dspark:` prefix (so that scrapers written for vLLM's speculative-decoding and
-latency metrics find them; the latencies are histograms), and the iteration log, a line of rates
-every few seconds in which the engine worked (vLLM's periodic stats line)."""
+"""The engine's counters for people and for scrapers: a prometheus_client collector that reads the
+engine's stats when /metrics is scraped, with vLLM's metric names under the `dspark:` prefix (so
+that scrapers written for vLLM's speculative-decoding and latency metrics find them), and the
+iteration log, a line of rates every few seconds in which the engine worked (vLLM's periodic stats
+line). A new metric is a few lines of EngineCollector.collect."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import sys
+import threading
 import time
 from typing import Callable
 
-from dspark.serve.engine import Engine, EngineStats, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from dspark.engine import Engine, EngineStats, Histogram
 
 
-def _label_value(text: str) -> str:
-    """A label value as the exposition format escapes it (a raw quote or newline breaks the page)."""
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class EngineCollector(Collector):
+    """The metrics of `engine`, labelled with the served model's name."""
 
+    def __init__(self, engine: Engine, model: str):
+        self.engine, self.model = engine, model
 
-def prometheus_text(engine: Engine, model: str) -> str:
-    stats, label = engine.stats, f'model_name="{_label_value(model)}"'
-    lines = []
+    def _family(self, kind, name: str, help_text: str, samples, labels=()):
+        """A family from (label values after the model's, value) pairs."""
+        family = kind(f"dspark:{name}", help_text, labels=["model_name", *labels])
+        for values, value in samples:
+            family.add_metric([self.model, *values], value)
+        return family
 
-    def family(name: str, kind: str, help_text: str, samples) -> None:
-        """HELP and TYPE, then a line per sample: (name suffix, labels after the model's, value)."""
-        lines.extend([f"# HELP dspark:{name} {help_text}", f"# TYPE dspark:{name} {kind}"])
-        lines.extend(f"dspark:{name}{suffix}{{{label}{extra}}} {value}" for suffix, extra, value in samples)
-
-    def metric(name: str, kind: str, help_text: str, value) -> None:
-        family(name, kind, help_text, [("", "", value)])
-
-    def histogram(name: str, help_text: str, h: Histogram) -> None:
-        """The buckets cumulative; _count equals the +Inf bucket, read once (the engine thread adds on)."""
+    def _histogram(self, name: str, help_text: str, h: Histogram) -> HistogramMetricFamily:
+        """Buckets made cumulative; the +Inf bucket is the count, read once (the engine thread adds on)."""
+        family = HistogramMetricFamily(f"dspark:{name}", help_text, labels=["model_name"])
         cumulative = list(itertools.accumulate(list(h.counts)))
-        family(name, "histogram", help_text,
-               [("_bucket", f',le="{le}"', n) for le, n in zip([*map(repr, h.bounds), "+Inf"], cumulative)]
-               + [("_sum", "", round(h.total, 6)), ("_count", "", cumulative[-1])])
+        family.add_metric([self.model], list(zip([*map(repr, h.bounds), "+Inf"], cumulative)), h.total)
+        return family
 
-    metric("num_requests_running", "gauge", "Requests in a batch slot.", engine.num_running())
-    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", engine.num_waiting())
-    family("request_success_total", "counter",
-           "Finished requests, by finish reason (abort: the client left or the engine stopped first).",
-           [("", f',finished_reason="{reason}"', n) for reason, n in sorted(stats.finished.items())])
-    metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.prompt_tokens)
-    metric("generation_tokens_total", "counter", "Generated tokens.", stats.generation_tokens)
-    metric("num_decode_steps_total", "counter", "Decode steps of the whole batch.", stats.steps)
-    histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
-              stats.time_to_first_token)
-    histogram("request_queue_time_seconds", "Time from a request's arrival to its admission into a slot.",
-              stats.queue_time)
-    histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
-              stats.e2e_latency)
-    histogram("request_time_per_output_token_seconds",
-              "A finished request's time from its first token to its last, per later token.",
-              stats.time_per_output_token)
-    metric("spec_decode_num_drafts_total", "counter", "Draft blocks verified.", stats.drafts)
-    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", stats.draft_tokens)
-    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", stats.accepted_tokens)
-    family("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-           "Draft tokens accepted at each position of the block.",
-           [("", f',position="{i}"', n) for i, n in enumerate(stats.accepted_per_position)])
-    return "\n".join(lines) + "\n"
+    def collect(self):
+        engine, stats = self.engine, self.engine.stats
+        yield self._family(GaugeMetricFamily, "num_requests_running", "Requests in a batch slot.",
+                           [((), engine.num_running())])
+        yield self._family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting for a slot.",
+                           [((), engine.num_waiting())])
+        yield self._family(CounterMetricFamily, "request_success", "Finished requests, by finish reason (abort: the "
+                           "client left or the engine stopped first).",
+                           [((reason,), n) for reason, n in sorted(stats.finished.items())], ["finished_reason"])
+        for name, help_text, value in [
+                ("prompt_tokens", "Prefilled prompt tokens.", stats.prompt_tokens),
+                ("generation_tokens", "Generated tokens.", stats.generation_tokens),
+                ("num_decode_steps", "Decode steps of the whole batch.", stats.steps),
+                ("spec_decode_num_drafts", "Draft blocks verified.", stats.drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.accepted_tokens)]:
+            yield self._family(CounterMetricFamily, name, help_text, [((), value)])
+        yield self._family(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                           "Draft tokens accepted at each position of the block.",
+                           [((str(i),), n) for i, n in enumerate(list(stats.accepted_per_position))], ["position"])
+        yield self._histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+                              stats.time_to_first_token)
+        yield self._histogram("request_queue_time_seconds",
+                              "Time from a request's arrival to its admission into a slot.", stats.queue_time)
+        yield self._histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
+                              stats.e2e_latency)
+        yield self._histogram("request_time_per_output_token_seconds",
+                              "A finished request's time from its first token to its last, per later token.",
+                              stats.time_per_output_token)
+
+
+def metrics_registry(engine: Engine, model: str) -> CollectorRegistry:
+    """A registry of the engine's metrics and the process's (its own: an app per engine, as tests make)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model))
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ...
+    return registry
 
 
 class IterationLog:
@@ -96,9 +111,9 @@ class IterationLog:
                      + " ".join(f"{a / drafts:.2f}" for a in accepted))
         return text
 
-    def run(self) -> None:
-        """Writes the lines until the engine stops (a thread's target)."""
-        while not self.engine.stopped.wait(self.interval):
+    def run(self, stop: threading.Event) -> None:
+        """Writes the lines until `stop` is set (a thread's target)."""
+        while not stop.wait(self.interval):
             text = self.line()
             if text is not None:
                 self.write(text)

@@ -1,40 +1,48 @@
-"""The OpenAI API's request and response shapes: /v1/completions and /v1/chat/completions.
+"""The OpenAI API's request and response shapes for /v1/completions and /v1/chat/completions, as
+pydantic models, and what turns a request into the engine's prompt and SamplingParams.
 
-Requests are validated here; anything malformed or unsupported raises BadRequest with a message
-that names the parameter (the server answers 400), never a silent default. Supported: model,
-prompt (one string or one list of token ids; a string gets the model's own special tokens, e.g.
-Llama 3's BOS) / messages (roles system, developer, user, assistant; text content or text parts,
-joined by newlines; a message's name goes to the chat template), max_tokens (chat: also
+Validation is strict: a field of the wrong type (no "1" for 1, no 1 for true), NaN or Infinity, a
+value out of range or an unknown field is refused, naming the field; null means the default.
+Supported: model, prompt (one string or one list of token ids; a string gets the model's own special
+tokens, e.g. Llama 3's BOS) / messages (roles system, developer, user, assistant; text content or
+text parts, joined by newlines; a message's name goes to the chat template), max_tokens (chat: also
 max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
-skip_special_tokens = true (the text never holds special tokens), n = 1, stream,
-stream_options.include_usage, user. A null value means the default. A temperature below 1e-5 is
-greedy (vLLM's rule).
+skip_special_tokens = true (the text never holds special tokens), n (sample i of a seeded request
+draws with seed + i), stream, stream_options.include_usage, user. A temperature below 1e-5 is
+greedy (vLLM's rule). The parameters in UNSUPPORTED are accepted only at their off values, which SDKs
+send by default; logprobs, top_logprobs and echo are typed fields refused when they ask for
+something (the engine does not return log-probabilities yet).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dspark.output import GenerationResult
-from dspark.sampling import SamplingParams
+from dspark.sampling import MAX_SEED, SamplingParams
 from dspark.tokenizer import IncrementalDecoder
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "presence_penalty",
-               "frequency_penalty", "repetition_penalty", "min_tokens", "tools", "tool_choice", "functions",
-               "parallel_tool_calls", "response_format", "prompt_logprobs", "store")
+UNSUPPORTED = ("suffix", "best_of", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "min_tokens", "prompt_logprobs", "store", "tools", "tool_choice", "functions", "parallel_tool_calls",
+               "response_format")
+# their off values (besides null and false) where not 0, [] or {}; any other value is refused
 OFF_VALUES = {"repetition_penalty": [1], "best_of": [1], "response_format": [{"type": "text"}], "suffix": [""],
-              "tool_choice": ["none"], "parallel_tool_calls": [True]}  # else 0, [], {} (and null, false)
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "skip_special_tokens", "n", "stream", "stream_options", "user", *UNSUPPORTED}
-COMPLETION_KEYS = COMMON | {"prompt"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = ("role", "content", "name")  # others (tool_calls, refusal, ...) only at their off values
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+              "tool_choice": ["none"], "parallel_tool_calls": [True]}
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 128  # OpenAI's limit on n
 # Every stop string is looked for after every token, on the engine's thread that all requests share:
 # a request may not make that slow for the others (OpenAI allows 4 strings, vLLM any).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 512
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class BadRequest(ValueError):
@@ -45,152 +53,207 @@ class BadRequest(ValueError):
         self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        return error_body(str(self), param=self.param, code=self.code)
 
 
-def _number(body: dict, key: str, default, kind=float, low=None, high=None):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise BadRequest(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}", key)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"{key} must be in [{low}, {high}], got {value!r}", key)
-    return kind(value)
-
-
-def _asks_for_nothing(key: str, value) -> bool:
-    """Whether an unsupported parameter's value is its off value, which clients send by default."""
+def asks_for_nothing(key: str, value) -> bool:
+    """Whether an unsupported parameter's value is its off value (True is no number: no
+    repetition_penalty 1)."""
     if value is None or value is False:
         return True
-    if key == "logprobs":  # logprobs 0: the sampled tokens' logprobs
-        return False
-    off = OFF_VALUES.get(key, [0, [], {}])
-    if isinstance(value, bool):  # True is no number: no repetition_penalty 1
-        return any(value is v for v in off)
-    return value in off
+    return any(value == off and isinstance(value, bool) == isinstance(off, bool)
+               for off in OFF_VALUES.get(key, [0, [], {}]))
 
 
-def _check_keys(body: dict, allowed: set[str]) -> None:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    for key in body:
-        if key not in allowed:
-            raise BadRequest(f"unknown parameter {key!r}", key)
-        if key in UNSUPPORTED and not _asks_for_nothing(key, body[key]):
-            raise BadRequest(f"{key} is not supported by this server", key)
-    if _number(body, "n", 1, int, 1) != 1:
-        raise BadRequest("n must be 1: one completion per request", "n")
-    for key in ("stream", "ignore_eos"):  # null: the default, as in OpenAI's schema
-        if not isinstance(body.get(key, False), (bool, type(None))):
-            raise BadRequest(f"{key} must be a boolean, got {body[key]!r}", key)
-    skip = body.get("skip_special_tokens")
-    if skip is not True and skip is not None:  # not `in (True, None)`: 1 == True
-        raise BadRequest(f"skip_special_tokens must be true (the text leaves special tokens out), got {skip!r}",
-                         "skip_special_tokens")
-    options = body.get("stream_options")
-    if options is not None and not (body.get("stream") and isinstance(options, dict)
-                                    and set(options) <= {"include_usage"}
-                                    and isinstance(options.get("include_usage"), (bool, type(None)))):
-        raise BadRequest(f"stream_options must be {{\"include_usage\": true or false}} with stream: true, "
-                         f"got {options!r:.80}", "stream_options")
+def _refuse_unless_off(value, info: ValidationInfo):
+    if not asks_for_nothing(info.field_name, value):
+        raise PydanticCustomError("unsupported", "{name} {value} is not supported by this server",
+                                  {"name": info.field_name, "value": repr(value)[:60]})
+    return value
 
 
-def _encodable(text: str, field: str) -> str:
+def _refuse_logprobs(value, info: ValidationInfo):
+    """logprobs, top_logprobs and echo: typed and range-checked, refused while the engine returns
+    no log-probabilities."""
+    if value is not None and value is not False:
+        raise PydanticCustomError("unsupported", "{name} is not supported by this server yet",
+                                  {"name": info.field_name})
+    return value
+
+
+def _encodable(text: str) -> str:
     """`text`, if it is valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise BadRequest(f"{field} is not valid Unicode: {error.reason} at {error.start}", field) from error
+        raise PydanticCustomError("unicode", "not valid Unicode: {reason} at {start}",
+                                  {"reason": error.reason, "start": error.start}) from None
     return text
 
 
-def sampling_params(body: dict, max_tokens_key: str, default_max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1; top_k -1 is vLLM's off)."""
-    key = max_tokens_key if body.get(max_tokens_key) is not None else "max_tokens"
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or
-                                 (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise BadRequest(f"stop must be a string or a list of strings, got {stop!r:.80}", "stop")
-    stop_token_ids = body.get("stop_token_ids")
-    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
-    if not (isinstance(stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in stop_token_ids)):
-        raise BadRequest(f"stop_token_ids must be a list of integers, got {stop_token_ids!r}", "stop_token_ids")
-    values = dict(temperature=_number(body, "temperature", 1.0, float, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, float),  # its range: SamplingParams' (0, 1]
-                  top_k=max(_number(body, "top_k", 0, int, -1, 2**63 - 1), 0),
-                  min_p=_number(body, "min_p", 0.0, float, 0.0, 1.0),
-                  seed=_number(body, "seed", None, int, -2**63, 2**63 - 1),
-                  max_tokens=_number(body, key, default_max_tokens, int, 1))
-    try:
-        params = SamplingParams(**values, stop=stop or None, stop_token_ids=stop_token_ids,
-                                ignore_eos=bool(body.get("ignore_eos")))
-    except ValueError as error:  # SamplingParams' message starts with the field's name (e.g. "top_p must be ...")
-        raise BadRequest(str(error), str(error).split()[0]) from error
-    if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
-        raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, "
-                         f"got {len(params.stop)} of up to {max(map(len, params.stop))}", "stop")
-    return params
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def parse_completion(body: dict, tokenizer) -> tuple[list[int], SamplingParams]:
-    _check_keys(body, COMPLETION_KEYS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(_encodable(prompt, "prompt"), add_special_tokens=True)  # e.g. Llama 3's BOS
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
-    else:
-        raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt "
-                         f"per request), got {prompt!r:.80}", "prompt")
-    return ids, sampling_params(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+Unsupported = Annotated[Any, Field(default=None, exclude=True)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
-def _message(message, index: int) -> dict:
-    """The chat template's message: role, text content, and the name if one is given."""
-    role = message.get("role") if isinstance(message, dict) else None
-    role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else None
-    if role not in ROLES:
-        raise BadRequest(f"messages[{index}] must be an object with a role in {ROLES + tuple(ROLE_ALIASES)}, "
-                         f"got {message!r:.80}", "messages")
-    for key, value in message.items():
-        if key not in MESSAGE_KEYS and not _asks_for_nothing(key, value):
-            raise BadRequest(f"messages[{index}].{key} is not supported by this server", "messages")
-    name = message.get("name")
-    if not isinstance(name, (str, type(None))):
-        raise BadRequest(f"messages[{index}].name must be a string, got {name!r:.80}", "messages")
-    content = message.get("content")
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise BadRequest(f"messages[{index}].content: only text parts are supported", "messages")
-        content = "\n".join(part["text"] for part in content)  # as vLLM joins them
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content must be a string, got {content!r:.80}", "messages")
-    entry = {"role": role, "content": _encodable(content, "messages")}
-    return entry if name is None else {**entry, "name": _encodable(name, "messages")}
+class StreamOptions(Strict):
+    include_usage: bool | None = None
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
-    _check_keys(body, CHAT_KEYS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    messages = [_message(m, i) for i, m in enumerate(messages)]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return ids, sampling_params(body, "max_completion_tokens", max(1, max_model_len - len(ids)))
+class SamplingRequest(Strict):
+    """What both endpoints take."""
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: float | None = None  # its range: SamplingParams' (0, 1]
+    top_k: Annotated[int, Field(ge=-1, lt=2**63)] | None = None  # -1: vLLM's off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=-MAX_SEED, lt=MAX_SEED)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    suffix: Unsupported
+    best_of: Unsupported
+    logit_bias: Unsupported
+    presence_penalty: Unsupported
+    frequency_penalty: Unsupported
+    repetition_penalty: Unsupported
+    min_tokens: Unsupported
+    prompt_logprobs: Unsupported
+    store: Unsupported
+    tools: Unsupported
+    tool_choice: Unsupported
+    functions: Unsupported
+    parallel_tool_calls: Unsupported
+    response_format: Unsupported
+
+    _off = field_validator(*UNSUPPORTED)(_refuse_unless_off)
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _skip_special_tokens(cls, value):
+        if value is False:
+            raise PydanticCustomError("unsupported", "skip_special_tokens must be true (the text leaves "
+                                      "special tokens out)")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("unsupported", "stream_options needs stream: true")
+        return value
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                min_p=self.min_p or 0.0, seed=self.seed, max_tokens=self.max_tokens or default_max_tokens,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos))
+        except ValueError as error:  # SamplingParams' message starts with the field's name ("top_p must be ...")
+            raise BadRequest(str(error), str(error).split()[0]) from error
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def check_model(body: dict, served: str) -> None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest(f"model must be a string, got {model!r:.80}", "model")
-    if model is not None and model != served:
-        raise BadRequest(f"model {model!r} is not served here; this server serves {served!r}", "model",
+def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The SamplingParams of each of n samples: a seeded request's sample i draws with seed + i
+    (wrapped into the seeds' int64 range), so the samples differ and sample 0 is the n = 1 answer."""
+    if params.seed is None:
+        return [params] * n
+    return [SamplingParams(**{**vars(params), "seed": (params.seed + i + MAX_SEED) % (2 * MAX_SEED) - MAX_SEED})
+            for i in range(n)]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    _logprobs = field_validator("logprobs", "echo")(_refuse_logprobs)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if not prompt or (isinstance(prompt, list) and not isinstance(prompt[0], int)):
+            raise PydanticCustomError("prompt", "prompt must be a non-empty string or a non-empty list of token "
+                                      "ids (one prompt per request)")
+        return _encodable(prompt) if isinstance(prompt, str) else prompt
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        if isinstance(self.prompt, str):
+            return tokenizer.encode(self.prompt, add_special_tokens=True)  # e.g. Llama 3's BOS
+        return self.prompt
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message for the chat template: its other fields (tool_calls, refusal, audio, ...) only at
+    their off values, as SDKs send them."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _unicode(cls, value):
+        for text in [value] if isinstance(value, str) else [part.text for part in value or []]:
+            _encodable(text)
+        return value
+
+    @model_validator(mode="after")
+    def _others_ask_nothing(self):
+        for key, value in (self.model_extra or {}).items():
+            if not asks_for_nothing(key, value):
+                raise PydanticCustomError("unsupported", "{key} is not supported by this server", {"key": key})
+        return self
+
+    def template_entry(self) -> dict:
+        """role ("developer" is OpenAI's newer "system"), the text (parts joined by newlines, as
+        vLLM joins them) and the name if given."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        entry = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return entry if self.name is None else {**entry, "name": self.name}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    _logprobs = field_validator("logprobs", "top_logprobs")(_refuse_logprobs)
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        return tokenizer.apply_chat_template([m.template_entry() for m in self.messages],
+                                             add_generation_prompt=True, tokenize=True)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise BadRequest(f"model {requested!r} is not served here; this server serves {served!r}", "model",
                          status=404, code="model_not_found")  # OpenAI's and vLLM's answer
 
 
@@ -237,56 +300,93 @@ class TextStream:
         return delta
 
 
-def speculation(result: GenerationResult) -> dict | None:
-    """Per-request acceptance under metrics.speculative_decoding (None when the server does not
-    speculate); mean_acceptance_length counts the bonus token, as vLLM's field of that name."""
-    if not result.accepted_per_position:
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeDecoding(BaseModel):
+    """Acceptance over a request's samples; mean_acceptance_length counts the bonus token, as
+    vLLM's field of that name."""
+    num_drafts: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    mean_acceptance_length: float | None
+
+
+class Metrics(BaseModel):
+    speculative_decoding: SpeculativeDecoding | None  # None: the server does not speculate
+
+
+def speculation(results: list[GenerationResult]) -> SpeculativeDecoding | None:
+    if not results[0].accepted_per_position:
         return None
-    accepted = sum(result.accepted_per_position)
-    return {"num_drafts": result.num_steps, "num_accepted_tokens": accepted,
-            "accepted_per_position": result.accepted_per_position,
-            "mean_acceptance_length": round(1 + accepted / result.num_steps, 4) if result.num_steps else None}
+    per_position = [sum(column) for column in zip(*(r.accepted_per_position for r in results))]
+    drafts, accepted = sum(r.num_steps for r in results), sum(per_position)
+    return SpeculativeDecoding(num_drafts=drafts, num_accepted_tokens=accepted, accepted_per_position=per_position,
+                               mean_acceptance_length=round(1 + accepted / drafts, 4) if drafts else None)
 
 
-def _totals(prompt_tokens: int, result: GenerationResult) -> dict:
-    """A whole answer's usage and its speculation metrics."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(result.tokens),
-             "total_tokens": prompt_tokens + len(result.tokens)}
-    return {"usage": usage, "metrics": {"speculative_decoding": speculation(result)}}
+class Choice(BaseModel):
+    """One sample of an answer or of a chunk: `text` (completions), `message` (chat) or `delta`
+    (chat chunks)."""
+    model_config = ConfigDict(extra="allow")
+    index: int
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Answer(BaseModel):
+    """A whole answer or a stream's chunk. Without include_usage, a chunk has no usage key at all;
+    with it, every chunk but the last carries "usage": null, as OpenAI's."""
+    id: str
+    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+    metrics: Metrics | None = None
 
 
 @dataclass(frozen=True)
 class Reply:
     """What every object of one request's answer shares: the kind ("text" or "chat"), the id, the
-    model and one `created` time (OpenAI's chunks of a stream all carry the same). With
-    `include_usage` (stream_options') every chunk but the usage chunk carries "usage": null, as OpenAI's."""
+    model, one `created` time (OpenAI's chunks of a stream all carry the same) and the prompt's
+    length."""
     kind: str
     id: str
     model: str
+    prompt_tokens: int
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _object(self, choices: list[dict], suffix: str = "") -> dict:
-        name = "chat.completion" + suffix if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
+    def _answer(self, choices: list[Choice], chunk: bool, results: list[GenerationResult] | None = None) -> Answer:
+        name = "text_completion" if self.kind == "text" else "chat.completion.chunk" if chunk else "chat.completion"
+        totals = {}
+        if results is not None:
+            completion = sum(len(r.tokens) for r in results)
+            totals = {"usage": Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                                     total_tokens=self.prompt_tokens + completion),
+                      "metrics": Metrics(speculative_decoding=speculation(results))}
+        return Answer(id=self.id, object=name, created=self.created, model=self.model, choices=choices, **totals)
 
-    def response(self, text: str, result: GenerationResult, prompt_tokens: int) -> dict:
-        choice = {"index": 0, "finish_reason": result.finish_reason}
+    def response(self, texts: list[str], results: list[GenerationResult]) -> Answer:
+        key = "message" if self.kind == "chat" else "text"
+        return self._answer([Choice(index=i, finish_reason=r.finish_reason,
+                                    **{key: {"role": "assistant", "content": t} if self.kind == "chat" else t})
+                             for i, (t, r) in enumerate(zip(texts, results))], chunk=False, results=results)
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
+        """One streamed chunk as JSON: sample `index`'s text (with role=True, the chat's opening chunk)."""
         if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice = Choice(index=index, finish_reason=finish_reason,
+                            delta={"role": "assistant", "content": ""} if role else {"content": text} if text else {})
         else:
-            choice.update(text=text, logprobs=None)
-        return {**self._object([choice]), **_totals(prompt_tokens, result)}
+            choice = Choice(index=index, text=text or "", finish_reason=finish_reason)
+        return self._answer([choice], chunk=True).model_dump_json(
+            exclude={"metrics"} if self.include_usage else {"usage", "metrics"})
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
-        """One streamed chunk: text (None with role=True for the chat's opening chunk)."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._object([choice], ".chunk"), **({"usage": None} if self.include_usage else {})}
-
-    def usage_chunk(self, prompt_tokens: int, result: GenerationResult) -> dict:
+    def usage_chunk(self, results: list[GenerationResult]) -> str:
         """The stream's last chunk when stream_options.include_usage asks for it: no choices."""
-        return {**self._object([], ".chunk"), **_totals(prompt_tokens, result)}
+        return self._answer([], chunk=True, results=results).model_dump_json()

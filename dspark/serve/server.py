@@ -1,340 +1,335 @@
-"""The OpenAI-compatible HTTP server over an Engine (standard library only).
+"""The OpenAI-compatible HTTP server: a FastAPI app over an Engine.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
-    GET  /v1/models, /health, /metrics (Prometheus text), /version   (and HEAD: their headers)
+    GET  /v1/models, /health, /metrics (Prometheus), /version   (and HEAD: their headers)
 
-Each HTTP request runs in its own thread and waits on its engine request's events, checking every
-CLIENT_POLL_S that its client is still there (a request whose client left is aborted, its slot
-freed, and nothing is written); the engine runs in one thread of its own. Errors are JSON objects
-in OpenAI's shape: 400 for a request the server cannot serve (the message names the parameter),
-404 for a wrong path or a model not served here, 405 (with Allow) for a wrong method, 408 for a body
-that does not arrive within CLIENT_TIMEOUT_S (a connection idle that long is closed), 413 for a body
-over MAX_BODY_BYTES (refused before it is sent when the client expects a 100 Continue), 501 for a
-transfer coding other than chunked or an unknown method, 503 when the engine has stopped, 500 for a
-fault of the server's own (the message says which). A body comes with a Content-Length or chunked;
-a request whose body is not read (a wrong route, a refused body) closes its connection.
+The engine runs in a thread of its own (dspark.serve.process starts and joins it); each engine request
+hands its events to the event loop (call_soon_threadsafe into the HTTP request's asyncio.Queue), so
+a response waits on its queue, never on a poll. A request whose client leaves is aborted (its slot
+freed, nothing written, one log line). Before routing, Guard checks the Host (when bound to
+loopback), the API key and the content type. Errors are OpenAI's error objects: 400 for a request
+the server cannot serve (the message names the parameter), 401 without the API key, 404 for a
+wrong path or a model not served here, 405 (with Allow) for a wrong method, 408 for a body that does
+not arrive within BODY_TIMEOUT_S, 413 for a body over MAX_BODY_BYTES, 415 for a POST body that is
+not application/json, 503 when the engine has stopped (shut down, or failed), 500 for a fault of
+the server's own. A stream that fails after it began ends with an error event, then [DONE].
 """
 from __future__ import annotations
 
+import asyncio
 import json
-import queue
+import logging
 import re
-import selectors
-import socket
+import secrets
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.middleware.cors import CORSMiddleware
 
 from dspark import __version__
 from dspark.serve import openai
-from dspark.serve.engine import Engine, EngineStopped, Request
-from dspark.serve.metrics import prometheus_text
+from dspark.engine import Engine, EngineStopped, Request as EngineRequest
+from dspark.serve.metrics import metrics_registry
 
-COMPLETION_ROUTES = {"/v1/completions": "text", "/v1/chat/completions": "chat"}  # path -> response kind
-GET_ROUTES = ("/health", "/v1/models", "/metrics", "/version")
 MAX_BODY_BYTES = 1 << 22
-MAX_LINE_BYTES = 1 << 12  # a chunk's size line or a trailer line
-CLIENT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-CLIENT_TIMEOUT_S = 20.0  # how long a connection may sit idle, or take over a request or a write, before it is closed
+BODY_TIMEOUT_S = 20.0  # from a request's head to the end of its body
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer to a client that has left
+log = logging.getLogger("dspark.serve")
 
 
-def check_body_size(size: int) -> int:
-    """`size`, if a body may be that long (else a 413)."""
-    if size > MAX_BODY_BYTES:
-        raise openai.BadRequest(f"the body is larger than {MAX_BODY_BYTES} bytes",
-                                status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-    return size
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(openai.error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
-def body_length(values: list[str]) -> int:
-    """The body size given by a request's Content-Length header values: one decimal number, no
-    larger than MAX_BODY_BYTES (else a 400, or a 413)."""
-    if len(values) != 1 or not re.fullmatch(r"[0-9]{1,19}", values[0]):
-        raise openai.BadRequest(f"Content-Length must be one decimal number, got {values!r}")
-    return check_body_size(int(values[0]))
+class Guard:
+    """ASGI middleware: what a request must pass before it is routed. `hosts` (a server bound to
+    loopback): the Host header must name one of them, with or without a port, so that no web page
+    reaches the server through a name of its own that resolves to 127.0.0.1 (DNS rebinding). A body
+    may hold MAX_BODY_BYTES (413, before it is read when its length is given) and must arrive within
+    BODY_TIMEOUT_S (408). On /v1/: the API key as a bearer token if one is set (401), and a POST
+    body of Content-Type application/json (415: a page may post a form anywhere, but not JSON
+    without the server's consent). CORS preflights (OPTIONS) pass to the CORS middleware inside
+    this one when --allowed-origins is given."""
 
+    def __init__(self, app, hosts: tuple[str, ...] | None, api_key: str | None):
+        self.app, self.hosts = app, hosts
+        self.bearer = None if api_key is None else f"Bearer {api_key}".encode()
 
-def client_gone(connection: socket.socket) -> bool:
-    """Whether the client has closed `connection`: readable, with nothing to read (a selector, not
-    select(), which refuses descriptors from 1024 on)."""
-    try:
-        with selectors.DefaultSelector() as selector:
-            selector.register(connection, selectors.EVENT_READ)
-            readable = selector.select(timeout=0)
-        return bool(readable) and not connection.recv(1, socket.MSG_PEEK)
-    except OSError:  # reset, or closed on this side
-        return True
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        await self.app(scope, self.receive_body(receive), send)
 
+    def refusal(self, scope) -> Response | None:
+        headers = Headers(scope=scope)
+        if self.hosts is not None:
+            host = re.sub(r":[0-9]+$", "", headers.get("host", ""))
+            if host.lower() not in self.hosts:
+                return error_response(400, f"Host {headers.get('host')!r} is not served: a server bound to "
+                                      f"loopback answers {', '.join(self.hosts)} only (DNS rebinding)", param="Host")
+        if int(headers.get("content-length", 0)) > MAX_BODY_BYTES:  # h11 has checked that it is a number
+            return error_response(413, f"the body is larger than {MAX_BODY_BYTES} bytes",
+                                  headers={"Connection": "close"})
+        if scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1/"):
+            return None
+        if self.bearer is not None and not secrets.compare_digest(
+                headers.get("authorization", "").encode("latin-1"), self.bearer):
+            return error_response(401, "a valid API key is required: Authorization: Bearer <key>",
+                                  code="invalid_api_key")
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] == "POST" and media != "application/json":
+            return error_response(415, f"the body must be application/json, got Content-Type {media or 'none'}",
+                                  param="Content-Type")
+        return None
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 2048  # the listen backlog (the standard library's 5 reset clients at 64 at once)
+    @staticmethod
+    def receive_body(receive):
+        """`receive`, whose body messages must arrive within BODY_TIMEOUT_S and hold MAX_BODY_BYTES."""
+        deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT_S
+        size, body_read = 0, False
 
-    def __init__(self, address: tuple[str, int], engine: Engine, tokenizer, model_name: str):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name  # before a bind that
-        super().__init__(address, Handler)  # fails (a port in use) calls server_close, which reads the engine
-        self.created = int(time.time())  # /v1/models' "created"
-        self.engine_thread = threading.Thread(target=engine.run, name="dspark-engine", daemon=True)
-
-    def start_engine(self) -> None:
-        self.engine_thread.start()
-
-    def server_close(self) -> None:
-        self.engine.shutdown()
-        super().server_close()
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: Server
-    protocol_version = "HTTP/1.1"
-    timeout = CLIENT_TIMEOUT_S  # a stalled or idle client would hold its thread for ever
-
-    # ------------------------------------------------------------------ plumbing
-
-    head_only = False  # answering a HEAD: the headers of a GET's answer, no body
-
-    def _send(self, status: int, body, content_type: str = "application/json", headers: dict | None = None) -> None:
-        data = (json.dumps(body) if content_type == "application/json" else body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if not self.head_only:
-            self.wfile.write(data)
-
-    def _error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-               headers: dict | None = None):
-        self._send(status, {"error": {"message": message, "type": kind, "param": param, "code": None}},
-                   headers=headers)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The standard library's own refusals (a malformed request line, a line or headers too long,
-        an unknown method) in the JSON shape of every other error; the connection closes."""
-        self.close_connection = True
-        self._error(code, message or HTTPStatus(code).phrase)
-
-    def handle_expect_100(self) -> bool:
-        """A body whose length the server refuses is refused before the client sends it, not after a
-        100 Continue."""
-        if "Content-Length" in self.headers:
+        async def receive_checked():
+            nonlocal size, body_read
+            if body_read:
+                return await receive()
             try:
-                body_length(self.headers.get_all("Content-Length"))
-            except openai.BadRequest as error:
-                self._refuse(error)
-                return False
-        return super().handle_expect_100()
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+            size += len(message.get("body", b""))
+            if size > MAX_BODY_BYTES:
+                raise HTTPException(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+            body_read = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
 
-    def _refuse(self, error: openai.BadRequest) -> None:
-        """Answers a request the server will not serve; its body may be unread (no length, or too
-        large a one), so the connection closes."""
-        self.close_connection = True
-        self._send(error.status, error.body())
+        return receive_checked
 
-    def _has_body(self) -> bool:
-        return "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0") != "0"
 
-    def _read_json(self):
-        coding = self.headers.get("Transfer-Encoding")
-        if coding is not None:
-            if coding.strip().lower() != "chunked":
-                raise openai.BadRequest(f"Transfer-Encoding {coding!r} is not supported (only chunked)",
-                                        status=HTTPStatus.NOT_IMPLEMENTED)
-            raw = self._read_chunked()  # it overrides any Content-Length (RFC 9112 §6.3) ...
-            if "Content-Length" in self.headers:  # ... and the connection closes after such a request
-                self.close_connection = True
-        else:
-            lengths = self.headers.get_all("Content-Length")
-            if not lengths:
-                raise openai.BadRequest("a JSON body with a Content-Length header or chunked encoding is required")
-            raw = self.rfile.read(body_length(lengths))
+class Sink:
+    """Hands sample `index`'s engine events to `queue` on `loop` (put() runs on the engine's thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+        self.loop, self.queue, self.index = loop, queue, index
+
+    def put(self, item) -> None:
         try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
-            raise openai.BadRequest(f"the body is not valid JSON: {error}") from error
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+        except RuntimeError:  # the loop has closed: nobody waits for this request any more
+            pass
 
-    def _read_chunked(self) -> bytes:
-        """A chunked body (RFC 9112 §7.1): hex sizes with optional extensions, each chunk followed by
-        CRLF, a zero size, then trailer lines (read and dropped, counted in the body's size) up to an
-        empty line."""
-        body = bytearray()
-        while True:
-            line = self.rfile.readline(MAX_LINE_BYTES)
-            digits = line.split(b";")[0].strip()
-            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", digits):
-                raise openai.BadRequest(f"a malformed chunk size line: {line[:40]!r}")
-            size = int(digits, 16)
-            if size == 0:
-                break
-            check_body_size(len(body) + size)
-            chunk = self.rfile.read(size)
-            if len(chunk) < size or self.rfile.read(2) != b"\r\n":
-                raise openai.BadRequest("a chunk is shorter than its size or does not end in CRLF")
-            body += chunk
-        size = len(body)
-        while (line := self.rfile.readline(MAX_LINE_BYTES)).strip():
-            size = check_body_size(size + len(line))
-        return bytes(body)
 
-    # ------------------------------------------------------------------ routes
+async def client_left(request: Request) -> None:
+    """Returns once the client has gone (its body read, uvicorn's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def do_GET(self):
-        server, path = self.server, self.path.split("?")[0]
-        if path not in GET_ROUTES:
-            self._wrong_route(path)
-            return
-        if self._has_body():  # not read: the connection cannot go on after it
-            self.close_connection = True
-        if path == "/health":
-            alive = server.engine_thread.is_alive()
-            self._send(HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE,
-                       {"status": "ok" if alive else "engine stopped"})
-        elif path == "/v1/models":
-            self._send(HTTPStatus.OK, {"object": "list", "data": [
-                {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "dspark",
-                 "max_model_len": server.engine.max_model_len}]})
-        elif path == "/metrics":
-            self._send(HTTPStatus.OK, prometheus_text(server.engine, server.model_name),
-                       "text/plain; version=0.0.4")
-        elif path == "/version":
-            self._send(HTTPStatus.OK, {"version": __version__})
 
-    def do_HEAD(self):
-        """A GET's status and headers without its body (health probes send HEAD)."""
-        self.head_only = True
+def failure(error: Exception) -> tuple[int, dict]:
+    """The status and error object of a request the engine ended with `error`."""
+    if isinstance(error, EngineStopped):
+        return 503, openai.error_body(f"{error}: the server is shutting down or has failed", "server_error", code=503)
+    return 500, openai.error_body(f"generation failed: {type(error).__name__}: {error}", "server_error", code=500)
+
+
+class Generation:
+    """One HTTP request's engine requests (n samples of one prompt) and their texts as they grow."""
+
+    def __init__(self, reply: openai.Reply, requests: list[EngineRequest], texts: list[openai.TextStream],
+                 events: asyncio.Queue):
+        self.reply, self.requests, self.texts, self.events = reply, requests, texts, events
+        self.tokens = [[] for _ in requests]
+
+    async def next(self) -> tuple[int, str, bool]:
+        """(sample, its new text, whether it has finished) at its next event; raises the engine's error."""
+        index, event = await self.events.get()
+        if isinstance(event, Exception):
+            raise event
+        if event is not None:
+            self.tokens[index] += event
+        return index, self.texts[index].delta(self.tokens[index], finished=event is None), event is None
+
+    def abort(self, why: str | None) -> None:
+        """Frees the slots of the samples still running; `why`: logged, in one line."""
+        running = [r for r in self.requests if not r.result.finished]
+        for request in running:
+            request.cancelled = True
+        if why and running:
+            log.info("%s %s after %d tokens: aborted", self.reply.id, why, sum(map(len, self.tokens)))
+
+    async def whole(self, http: Request) -> Response:
+        left, finished = asyncio.ensure_future(client_left(http)), 0
         try:
-            self.do_GET()
+            while finished < len(self.requests):
+                event = asyncio.ensure_future(self.next())
+                await asyncio.wait({left, event}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    self.abort("client left")
+                    return Response(status_code=CLIENT_CLOSED)
+                finished += event.result()[2]
+        except Exception as error:  # noqa: BLE001 - the engine ended it: shut down or failed
+            self.abort(None)
+            status, body = failure(error)
+            return JSONResponse(body, status_code=status)
         finally:
-            self.head_only = False
+            left.cancel()
+        answer = self.reply.response([t.decoded for t in self.texts], [r.result for r in self.requests])
+        return Response(answer.model_dump_json(), media_type="application/json")
 
-    def _wrong_route(self, path: str) -> None:
-        """404 for a path not served, 405 (with Allow) for a method the path does not take. A body the
-        request has stays unread, so the connection then closes."""
-        if self._has_body():
-            self.close_connection = True
-        allowed = "POST" if path in COMPLETION_ROUTES else "GET, HEAD" if path in GET_ROUTES else None
-        if allowed is None:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {path}", "not_found_error")
-        else:
-            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {allowed}", headers={"Allow": allowed})
-
-    def _other_method(self):
-        self._wrong_route(self.path.split("?")[0])
-
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method
-
-    def do_POST(self):
-        server, path = self.server, self.path.split("?")[0]
-        if path not in COMPLETION_ROUTES:
-            self._wrong_route(path)
-            return
-        kind = COMPLETION_ROUTES[path]
+    async def stream(self):
+        """The server-sent events: for a chat, an opening chunk per sample; each sample's text as it
+        grows and its finish reason; the usage chunk if asked for; [DONE]. An engine error ends the
+        stream with an error event, then [DONE]."""
+        reply, done = self.reply, False
         try:
-            body = self._read_json()
-            if kind == "chat":
-                prompt, params = openai.parse_chat(body, server.tokenizer, server.engine.max_model_len)
-            else:
-                prompt, params = openai.parse_completion(body, server.tokenizer)
-            openai.check_model(body, server.model_name)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            request = server.engine.submit(prompt, params)
-        except openai.BadRequest as error:
-            self._refuse(error)
-            return
-        except ValueError as error:  # the engine's checks: lengths, token ids
-            self._error(HTTPStatus.BAD_REQUEST, str(error))
-            return
-        except EngineStopped as error:
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), "server_error")
-            return
-        except TimeoutError:  # the body did not arrive within the timeout
-            self.close_connection = True
-            self._error(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within {self.timeout} s")
-            return
-        except Exception as error:  # noqa: BLE001 - a fault of ours: answered, not a dropped connection
-            self.close_connection = True
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}", "server_error")
-            return
-        reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request.id, server.model_name,
-                             include_usage)
-        text = openai.TextStream(server.tokenizer, params.stop, request.stop.stop_ids, prompt)
-        if body.get("stream"):
-            self._stream(reply, request, text, len(prompt))
-        else:
-            self._complete(reply, request, text, len(prompt))
-
-    def _events(self, request: Request):
-        """The request's batches of new tokens until it finishes; while none comes, the request is
-        cancelled once its client has gone (closed its side: as uvicorn, a half-close is a leave)."""
-        checked = time.monotonic()
-        while True:
-            if time.monotonic() - checked >= CLIENT_POLL_S:
-                checked = time.monotonic()
-                request.cancelled = request.cancelled or client_gone(self.connection)
-            try:
-                event = request.events.get(timeout=CLIENT_POLL_S)
-            except queue.Empty:
-                continue
-            if event is None:
-                return
-            if isinstance(event, Exception):
-                raise event
-            yield event
-
-    def _complete(self, reply, request, text, prompt_tokens):
-        try:
-            for _ in self._events(request):
-                pass
-        except EngineStopped as error:  # shut down while this request waited: as for a submit then
-            self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(error), "server_error")
-            return
-        except Exception as error:  # noqa: BLE001 - the engine failed this request
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"generation failed: {error}", "server_error")
-            return
-        if request.cancelled:  # its client left: nobody to answer
-            self.close_connection = True
-            return
-        try:
-            content = text.text(request.result.tokens, finished=True)
-            self._send(HTTPStatus.OK, reply.response(content, request.result, prompt_tokens))
-        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer
-            self.close_connection = True
-
-    def _stream(self, reply, request, text, prompt_tokens):
-        def send(payload) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            self.wfile.write(f"data: {data}\n\n".encode())
-            self.wfile.flush()
-
-        self.close_connection = True
-        try:
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
             if reply.kind == "chat":
-                send(reply.chunk(None, None, role=True))
-            for _ in self._events(request):
-                delta = text.delta(request.result.tokens, request.result.finished)
+                for index in range(len(self.requests)):
+                    yield format_sse_event(data_str=reply.chunk(index, None, role=True))
+            finished = 0
+            while finished < len(self.requests):
+                index, delta, end = await self.next()
                 if delta:
-                    send(reply.chunk(delta, None))
-            if request.cancelled:  # its client left
-                return
-            send(reply.chunk(None, request.result.finish_reason))
+                    yield format_sse_event(data_str=reply.chunk(index, delta))
+                if end:
+                    finished += 1
+                    yield format_sse_event(data_str=reply.chunk(index, None, self.requests[index].result.finish_reason))
             if reply.include_usage:
-                send(reply.usage_chunk(prompt_tokens, request.result))
-            send("[DONE]")
-        except OSError:  # the client went away: free its slot
-            request.cancelled = True
-        except Exception as error:  # noqa: BLE001 - the engine failed this request, or the text did
-            request.cancelled = True
-            try:
-                send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
-                send("[DONE]")  # the stream still ends as streams do (as vLLM's)
-            except OSError:
-                pass
+                yield format_sse_event(data_str=reply.usage_chunk([r.result for r in self.requests]))
+            done = True
+        except Exception as error:  # noqa: BLE001 - the engine ended it: shut down or failed
+            done = True
+            yield format_sse_event(data_str=json.dumps(failure(error)[1]))
+        finally:
+            self.abort(None if done else "client left")
+        yield format_sse_event(data_str="[DONE]")
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None,
+               allowed_origins: list[str] | None = None, hosts: tuple[str, ...] | None = LOOPBACK_NAMES) -> FastAPI:
+    """The app over `engine`, whose thread (app.state.engine_thread) the caller runs. `hosts`: the
+    Host names served (None: any, for a server not bound to loopback)."""
+    app = FastAPI(title="dspark", version=__version__, docs_url=None, redoc_url=None)
+    app.state.engine_thread = threading.Thread(target=engine.run, name="dspark-engine")
+    registry, created = metrics_registry(engine, model_name), int(time.time())
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(Guard, hosts=hosts, api_key=api_key)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.url.path} takes {(error.headers or {}).get('Allow')}"}.get(error.status_code,
+                                                                                          error.detail)
+        return error_response(error.status_code, message, headers=error.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        log.info("%s %s: the client left before its body arrived", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
+
+    @app.exception_handler(openai.BadRequest)
+    async def bad_request(request: Request, error: openai.BadRequest) -> Response:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health():
+        if app.state.engine_thread.is_alive():
+            return {"status": "ok"}
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dspark", "max_model_len": max_model_len}]}
+
+    @app.api_route("/version", methods=["GET", "HEAD"])
+    async def version():
+        return {"version": __version__}
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def generate(http: Request, shape: type[openai.SamplingRequest], kind: str) -> Response:
+        body = await read_body(http, shape)
+        openai.check_model(body.model, model_name)
+        prompt = await asyncio.to_thread(body.prompt_ids, tokenizer)
+        params = body.sampling_params(openai.DEFAULT_COMPLETION_TOKENS if kind == "text"
+                                      else max(1, max_model_len - len(prompt)))
+        loop, events, requests = asyncio.get_running_loop(), asyncio.Queue(), []
+        try:
+            for index, sample in enumerate(openai.sample_params(params, body.n or 1)):
+                requests.append(engine.submit(prompt, sample, events=Sink(loop, events, index)))
+        except (ValueError, EngineStopped) as error:  # the engine's checks: lengths, token ids; or stopped
+            for request in requests:
+                request.cancelled = True
+            if isinstance(error, EngineStopped):
+                return JSONResponse(failure(error)[1], status_code=503)
+            raise openai.BadRequest(str(error)) from error
+        reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + requests[0].id, model_name,
+                             len(prompt), body.include_usage)
+        texts = [openai.TextStream(tokenizer, params.stop, r.stop.stop_ids, prompt) for r in requests]
+        generation = Generation(reply, requests, texts, events)
+        if body.stream:
+            return EventSourceResponse(generation.stream(), headers={"Cache-Control": "no-cache"})
+        return await generation.whole(http)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        return await generate(http, openai.CompletionRequest, "text")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request):
+        return await generate(http, openai.ChatCompletionRequest, "chat")
+
+    return app
+
+
+async def read_body(http: Request, shape: type[openai.SamplingRequest]) -> openai.SamplingRequest:
+    try:
+        body = json.loads(await http.body())
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
+        raise openai.BadRequest(f"the body is not valid JSON: {error}") from None
+    return validated(body, shape)
+
+
+def validated(body, shape: type[openai.SamplingRequest]) -> openai.SamplingRequest:
+    """The parsed JSON `body` as `shape`; BadRequest naming the first field that is wrong (of its errors,
+    the first that is not a type mismatch, if any: a union's other members mismatch)."""
+    if not isinstance(body, dict):
+        raise openai.BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        return shape.model_validate(body)
+    except ValidationError as error:
+        errors = [e for e in error.errors() if e["loc"][0] == error.errors()[0]["loc"][0]]
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])  # not a union's other member
+        path, param = body_path(body, first["loc"]), str(first["loc"][0])
+        if first["type"] == "extra_forbidden":
+            raise openai.BadRequest(f"unknown parameter {path!r}", param) from None
+        got = "" if first["type"] == "missing" else f", got {first['input']!r:.80}"
+        raise openai.BadRequest(f"{path}: {first['msg']}{got}", param) from None
+
+
+def body_path(body: dict, loc: tuple) -> str:
+    """Where an error of pydantic's is in the body, as messages[0].content (loc less its union-member tags)."""
+    path, value = str(loc[0]), body.get(loc[0])
+    for item in loc[1:]:
+        if isinstance(value, dict) and item in value:
+            path, value = f"{path}.{item}", value[item]
+        elif isinstance(value, list) and isinstance(item, int) and item < len(value):
+            path, value = f"{path}[{item}]", value[item]
+    return path

@@ -1,0 +1,226 @@
+"""The OpenAI shapes: what the official `openai` client gets from a real server process on the default
+model (completion, chat, streams that reassemble to the non-streamed text, n samples, usage and the
+speculation metrics, the API key, errors as the client's exception classes), and the request models
+and text streams underneath."""
+from __future__ import annotations
+
+import json
+import time
+
+import openai as openai_client
+import pytest
+
+from dspark import SamplingParams
+from dspark.output import StopCondition
+from dspark.serve.openai import (BadRequest, ChatCompletionRequest, CompletionRequest, Reply, TextStream,
+                                 sample_params)
+from dspark.serve.server import validated
+from test_decoder import STOP_TEXT, complete_text
+from test_serve_harness import ServerProcess
+from test_tokenizer import sentencepiece_tokenizer
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    """The default model pair on a free port, with an API key."""
+    process = ServerProcess("--api-key", KEY, "--max-batch", "4")
+    yield process
+    assert process.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai_client.OpenAI(base_url=default_server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_a_completion_and_its_stream_give_the_same_text_at_temperature_0(client):
+    whole = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                      max_tokens=24, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.choices[0].text and whole.usage.completion_tokens <= 24
+    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    spec = chunks[-1].model_extra["metrics"]["speculative_decoding"]  # vLLM's per-request shape
+    assert spec["num_drafts"] >= 1 and len(spec["accepted_per_position"]) == 7
+
+
+def test_a_chat_and_its_stream_give_the_same_text_at_temperature_0(client):
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                           temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_samples_of_one_prompt_are_indexed_and_streamed_with_their_index(client):
+    """Seeded: sample i draws with seed + i, so the three differ (at T = 1 over 8 tokens of a
+    49,152-token vocabulary a tie is beyond chance) and the stream's samples are the answer's."""
+    asked = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
+                 n=3, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**asked)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len({c.text for c in whole.choices}) == 3
+    assert whole.usage.completion_tokens == 24
+    one = client.completions.create(**{**asked, "n": 1})
+    assert one.choices[0].text == whole.choices[0].text  # sample 0 is the n = 1 answer
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+
+
+def test_errors_reach_the_client_as_its_exception_classes(default_server, client):
+    with pytest.raises(openai_client.BadRequestError, match="temperature") as caught:
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", temperature=5)
+    assert caught.value.body["param"] == "temperature"
+    with pytest.raises(openai_client.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai_client.BadRequestError, match="maximum model length"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", max_tokens=10**6)
+    keyless = openai_client.OpenAI(base_url=default_server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai_client.AuthenticationError) as caught:
+        keyless.models.list()
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+
+
+# ---------------------------------------------------------------------------- the shapes underneath
+
+
+def test_sample_seeds_are_the_seed_plus_the_index_wrapped_into_int64():
+    params = SamplingParams(seed=2**63 - 2)
+    assert [p.seed for p in sample_params(params, 3)] == [2**63 - 2, 2**63 - 1, -2**63]
+    assert sample_params(SamplingParams(), 2) == [SamplingParams(), SamplingParams()]  # unseeded: each its own
+
+
+@pytest.mark.parametrize("stop", [[], ["日本"], ["🚀 "], ["x**2", "Прив"], ["e\u0301 d"], ["absent"]])
+def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(default_tokenizer, stop):
+    """What the server streams, delta by delta, joins to the whole output's decode (stop and special
+    tokens left out) cut before its stop string; tokens come in steps of 1 to 4, up to where the
+    engine would stop, with an end-of-turn token in the middle."""
+    tok = default_tokenizer
+    end_of_turn = tok.eos_token_id
+    ids = tok.encode(STOP_TEXT)
+    ids = ids[:9] + [end_of_turn] + ids[9:]
+    stops_at = next((i for i in range(1, len(ids) + 1) if any(s in complete_text(tok, ids[:i]) for s in stop)),
+                    len(ids))
+    ids = ids[:stops_at]
+    whole = tok.decode([t for t in ids if t != end_of_turn], skip_special_tokens=True)
+    expected = whole[:min([whole.find(s) for s in stop if s in whole], default=len(whole))]
+    stream, deltas, n = TextStream(tok, stop, {end_of_turn}), [], 0
+    while n < len(ids):
+        n = min(len(ids), n + 1 + n % 4)
+        deltas.append(stream.delta(ids[:n], finished=n == len(ids)))
+    assert "".join(deltas) == expected and "\ufffd" not in "".join(deltas)
+    assert TextStream(tok, stop, {end_of_turn}).text(ids, finished=True) == expected
+
+
+def test_the_answer_text_and_its_stop_strings_read_on_from_the_prompt(tmp_path):
+    """With a SentencePiece tokenizer (Llama 2's), the answer to "The capital is" is " Paris.", not
+    "Paris.": both what the client is sent and the text the engine's stop strings are looked for in."""
+    sp = sentencepiece_tokenizer(tmp_path / "tokenizer.json")
+    prompt, answer = sp.encode("The capital is"), sp.encode("Paris.")
+    assert TextStream(sp, [], set(), prompt).text(answer, finished=True) == " Paris."
+    params = SamplingParams(stop=" Paris", max_tokens=8)
+    assert StopCondition(params, [], sp, prompt).finished(answer[:1]) == "stop"
+    assert StopCondition(params, [], sp).finished(answer[:1]) is None  # no prompt: no space
+
+
+def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads(default_tokenizer):
+    tok = default_tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    live = ids[:5]  # the engine's list; it appends ids[5] while the stream decodes
+
+    class EngineMeanwhile:
+        def decode(self, piece, skip_special_tokens=False):
+            if len(live) == 5:
+                live.append(ids[5])
+            return tok.decode(piece, skip_special_tokens=skip_special_tokens)
+
+    stream = TextStream(EngineMeanwhile(), [], set())
+    first = stream.delta(live, finished=False)
+    live.extend(ids[6:])
+    assert first + stream.delta(live, finished=True) == tok.decode(ids)
+
+
+def test_every_chunk_of_an_answer_carries_its_created_time(monkeypatch):
+    reply = Reply("chat", "chatcmpl-x", "tiny", prompt_tokens=3)
+    monkeypatch.setattr(time, "time", lambda: reply.created + 5.0)  # a stream five seconds long
+    assert {json.loads(reply.chunk(0, "a"))["created"], json.loads(reply.chunk(0, None, "stop"))["created"]} == {
+        reply.created}
+
+
+def test_a_string_prompt_gets_the_models_own_special_tokens():
+    class AddsBos:  # as a Llama 3 tokenizer
+        def encode(self, text, add_special_tokens=False):
+            return [0, 7] if add_special_tokens else [7]
+
+    assert validated({"prompt": "hi"}, CompletionRequest).prompt_ids(AddsBos()) == [0, 7]
+
+
+def test_every_sampling_field_of_a_request_reaches_its_sampling_params():
+    body = {"prompt": [5, 6], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3,
+            "max_tokens": 7, "stop": "x", "stop_token_ids": [2], "ignore_eos": True}
+    params = validated(body, CompletionRequest).sampling_params(16)
+    assert params == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=7,
+                                    stop="x", stop_token_ids=[2], ignore_eos=True)
+    assert validated({**body, "top_k": -1}, CompletionRequest).sampling_params(16).top_k == 0  # vLLM's "off"
+    chat = validated({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9},
+                     ChatCompletionRequest)
+    assert chat.sampling_params(100).max_tokens == 9  # the chat's name for it
+
+
+def test_chat_text_parts_are_joined_by_newlines_and_developer_is_system(default_tokenizer):
+    tok = default_tokenizer
+    parts = {"messages": [{"role": "developer", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "Line one."},
+                                                       {"type": "text", "text": "Line two."}]}]}
+    expected = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Line one.\nLine two."}],
+                                       add_generation_prompt=True, tokenize=True)
+    assert validated(parts, ChatCompletionRequest).prompt_ids(tok) == expected
+
+
+class TemplateSpy:
+    """A tokenizer whose chat template records the messages it is given."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.messages = messages
+        return [1, 2]
+
+
+def test_a_messages_name_reaches_the_template_and_its_other_fields_must_be_empty():
+    spy = TemplateSpy()
+    chat = [{"role": "user", "content": "Hi.", "name": "ann"},
+            {"role": "assistant", "content": "Hello.", "tool_calls": [], "refusal": None, "audio": {}}]  # as SDKs send them
+    validated({"messages": chat}, ChatCompletionRequest).prompt_ids(spy)
+    assert spy.messages == [{"role": "user", "content": "Hi.", "name": "ann"},
+                            {"role": "assistant", "content": "Hello."}]
+    for message, words in [({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+                            r"messages\[0\]: tool_calls is not supported"),
+                           ({"role": "user", "content": "x", "name": 3}, r"messages\[0\]\.name: Input should be a "
+                                                                         "valid string")]:
+        with pytest.raises(BadRequest, match=words) as caught:
+            validated({"messages": [message]}, ChatCompletionRequest)
+        assert caught.value.param == "messages"
+
+
+def test_skip_special_tokens_may_ask_only_for_what_the_server_does():
+    body = {"prompt": [5, 6]}
+    for value in (True, None):
+        assert validated({**body, "skip_special_tokens": value}, CompletionRequest).prompt_ids(None) == [5, 6]
+    for value, words in ((False, "skip_special_tokens must be true"), ("no", "valid boolean"), (1, "valid boolean")):
+        with pytest.raises(BadRequest, match=words) as caught:
+            validated({**body, "skip_special_tokens": value}, CompletionRequest)
+        assert caught.value.param == "skip_special_tokens"
