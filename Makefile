@@ -1,4 +1,6 @@
-# The two commands a newcomer needs (see README): `make run` and `make test`.
+# The two commands a newcomer needs (see README): `make run` and `make test`. Each sets up .venv first
+# (scripts/setup.sh: it says what it installs, and installs nothing while setup.sh and pyproject.toml
+# are unchanged).
 PY := .venv/bin/python
 PORT ?= 8000
 PROMPT ?= Write a haiku about speculative decoding.
