@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import resource
 import socket
 import threading
 import time
@@ -215,7 +216,8 @@ def test_the_get_endpoints(server):
 def test_methods_a_route_does_not_take_get_a_405_naming_the_allowed_ones(server):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     for method, path, allowed in [("POST", "/health", {"GET", "HEAD"}), ("PUT", "/v1/models", {"GET", "HEAD"}),
-                                  ("DELETE", "/v1/completions", {"POST"}), ("OPTIONS", "/v1/chat/completions", {"POST"}),
+                                  ("DELETE", "/v1/completions", {"POST"}),
+                                  ("OPTIONS", "/v1/chat/completions", {"POST"}),
                                   ("GET", "/v1/completions", {"POST"}), ("BREW", "/health", {"GET", "HEAD"})]:
         connection.request(method, path, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
@@ -251,7 +253,8 @@ def test_a_chunked_body_is_read_as_a_whole_and_the_connection_kept(server):
         assert json.loads(response.read())["choices"] == expected["choices"]
     connection.close()
     framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(part), part) for part in (body[:9], body[9:]))
-    answer = exchange(server.port, POST + b"Transfer-Encoding: chunked\r\n\r\n" + framed + b"0\r\nX-Checksum: 1\r\n\r\n")
+    trailer = b"0\r\nX-Checksum: 1\r\n\r\n"
+    answer = exchange(server.port, POST + b"Transfer-Encoding: chunked\r\n\r\n" + framed + trailer)
     assert answer.startswith(b"HTTP/1.1 200") and expected["choices"][0]["text"].encode() in answer
 
 
@@ -326,6 +329,9 @@ def test_the_listen_backlog_holds_many_clients_at_once(server):
 def test_connections_on_descriptors_past_1024_are_served(server):
     """select() refuses a descriptor of 1024 or more; a server with many connections has them (here
     the server's sockets are numbered past the test's 1030 spare descriptors)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
     spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
     try:
         assert call(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
@@ -427,6 +433,15 @@ def test_a_client_that_closes_its_side_is_gone_and_gets_no_answer(server, caplog
     assert answer == b"" or stream
     left = [r for r in caplog.records if "client left" in r.getMessage()]
     assert len(left) == 1 and left[0].exc_info is None and "\n" not in left[0].getMessage()
+
+
+def test_a_client_that_leaves_before_its_body_arrives_is_one_log_line(server, caplog):
+    exchange(server.port, POST + b"Content-Length: 100\r\n\r\n{\"prompt\"", half_close=True)
+    deadline = time.monotonic() + 60
+    while not any("before its body arrived" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.exc_info for r in caplog.records if "before its body arrived" in r.getMessage()] == [None]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no "Exception in ASGI application"
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's raise
