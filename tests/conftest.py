@@ -61,6 +61,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def rng_seed() -> int:
+    """The seed the randomised and statistical tests derive their inputs and draws from: DSPARK_TEST_SEED,
+    0 by default (bench/mutants.py reruns the tests over other seeds)."""
+    return int(os.environ.get("DSPARK_TEST_SEED", "0"))
+
+
+@pytest.fixture(scope="session")
 def default_tokenizer():
     """SmolLM2's tokenizer from the default model's GGUF (read once: about 3 s)."""
     from dspark.loading import default_gguf_path
