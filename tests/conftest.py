@@ -60,11 +60,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def rng_seed() -> int:
-    """The seed the randomised and statistical tests derive their inputs and draws from: DSPARK_TEST_SEED,
-    0 by default (bench/mutants.py reruns the tests over other seeds)."""
-    return int(os.environ.get("DSPARK_TEST_SEED", "0"))
+def seeds_from_env() -> list[int]:
+    """DSPARK_TEST_SEED: one seed ("7"), or a range ("0-19": each test that takes rng_seed runs once per
+    seed, as bench/mutants.py runs them); 0 by default."""
+    first, _, last = os.environ.get("DSPARK_TEST_SEED", "0").partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+@pytest.fixture(scope="session", params=seeds_from_env() if len(seeds_from_env()) > 1 else None,
+                ids=lambda seed: f"seed{seed}")
+def rng_seed(request) -> int:
+    """The seed the randomised and statistical tests derive their inputs and draws from."""
+    return getattr(request, "param", seeds_from_env()[0])
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """SpeculativeDecoder end to end: greedy equality with the target's own decoding, losslessness at
-T > 0 (chi-square on the joint law of the first three emitted tokens, with a negative control),
-stop conditions, and the compiled step."""
+T > 0 (chi-square on the first three emitted tokens: jointly, the first two, the first; each check's
+power stated, a negative control for every case), stop conditions, and the compiled step."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDeco
 from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import apply_filters
 from dspark.tokenizer import Tokenizer
-from stats import assert_differs, assert_matches
+from stats import POWER, assert_differs, assert_matches, design, noncentrality, power
 
 
 def tiny_pair(vocab=16, architecture="llama", logit_std=0.15, block_size=4, markov_rank=8, seed=0):
@@ -80,11 +80,13 @@ def test_greedy_drafts_without_rejection_sampling_are_lossless_and_plain_decodin
 
 
 @torch.inference_mode()
-def target_joint_law(target: TargetModel, prompt: list[int], temperature: float, top_p: float) -> np.ndarray:
-    """Exact law of the target's first three sampled tokens, [V, V, V] in float64."""
+def target_joint_law(target: TargetModel, prompt: list[int], temperature: float, top_p: float,
+                     later_top_p: float | None = None) -> np.ndarray:
+    """Exact law of the target's first three sampled tokens, [V, V, V] in float64; `later_top_p`: the
+    top-p of the second and third tokens where it is not top_p (a negative control's law)."""
     vocab = target.config.vocab_size
 
-    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+    def next_probs(prefixes: list[list[int]], top_p: float) -> torch.Tensor:
         ids = torch.tensor([prompt + p for p in prefixes])
         logits, _ = target(ids, torch.arange(ids.shape[1]).expand_as(ids))
         logits = logits[:, -1:]
@@ -93,23 +95,55 @@ def target_joint_law(target: TargetModel, prompt: list[int], temperature: float,
                                torch.full((n,), top_p), torch.zeros(n))
         return (logits[:, 0].double() / temperature).softmax(-1)
 
-    p1 = next_probs([[]])[0]
-    p2 = next_probs([[a] for a in range(vocab)])
+    later = top_p if later_top_p is None else later_top_p
+    p1 = next_probs([[]], top_p)[0]
+    p2 = next_probs([[a] for a in range(vocab)], later)
     pairs = list(itertools.product(range(vocab), repeat=2))
-    p3 = next_probs([list(pair) for pair in pairs]).view(vocab, vocab, vocab)
+    p3 = next_probs([list(pair) for pair in pairs], later).view(vocab, vocab, vocab)
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
-def sample_first_three(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, n: int):
-    results = decoder.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(n)])
-    tokens = np.array([r.tokens[:3] for r in results])
-    vocab = decoder.target.config.vocab_size
-    return np.bincount(np.ravel_multi_index(tokens.T, (vocab,) * 3), minlength=vocab ** 3)
+def sample_first_three(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, n: int,
+                       seed: int = 0) -> np.ndarray:
+    """Counts [V^3] of the first three tokens of n requests (seeds seed n .. seed n + n - 1)."""
+    params = [SamplingParams(**{**params.__dict__, "seed": seed * n + i}) for i in range(n)]
+    results = decoder.generate([prompt] * n, params)
+    return first_three_counts([r.tokens for r in results], decoder.target.config.vocab_size)
 
 
-# Power: the threshold is about ten standard deviations (a correct decoder fails it with
-# probability far below 1e-9). The mis-stated drafter below, at only 10000 draws, lands about ten
-# times past it (measured: statistic 8.1e3 against a threshold of 787, df 478).
+def first_three_counts(tokens: list[list[int]], vocab: int) -> np.ndarray:
+    first = np.array([t[:3] for t in tokens])
+    return np.bincount(np.ravel_multi_index(first.T, (vocab,) * 3), minlength=vocab ** 3)
+
+
+def first_three_checks(law: np.ndarray) -> dict[str, np.ndarray]:
+    """The checks of the first three tokens, by name, as laws (or counts) over their bins: all three
+    jointly, the first two jointly, the first alone."""
+    vocab = round(len(law.ravel()) ** (1 / 3))
+    law = law.reshape((vocab,) * 3)
+    return {"all three": law.ravel(), "first two": law.sum(2).ravel(), "first token": law.sum((1, 2))}
+
+
+# The smallest total-variation error each check detects with probability 0.99 at N_DRAWS (stats.design:
+# the joint law's bins merge where few draws are expected, so their df is below V^3 - 1).
+DETECTS = {"all three": 0.065, "first two": 0.045, "first token": 0.03}
+
+
+def assert_first_three_match(counts: np.ndarray, law: np.ndarray, what: str, detects: dict = DETECTS) -> None:
+    """Each check of the first three tokens passes, with at least the power `detects` states."""
+    observed = first_three_checks(counts)
+    for check, probs in first_three_checks(law).items():
+        assert_matches(observed[check], probs, f"{what}, {check}", detects=detects[check])
+
+
+def assert_first_two_differ(counts: np.ndarray, law: np.ndarray, what: str,
+                            checks: tuple[str, ...] = ("all three", "first two")) -> None:
+    """A negative control fails the joint checks (its first token, drawn at the prefill, may be right)."""
+    observed, expected = first_three_checks(counts), first_three_checks(law)
+    for check in checks:
+        assert_differs(observed[check], expected[check], f"{what}, {check}")
+
+
 N_DRAWS = 30000
 N_CONTROL_DRAWS = 10000
 # K = 4 checks several drafts verified in one step; K = 1 makes the three tokens come from
@@ -119,20 +153,28 @@ LOSSLESS_CASES = [("standard", 1.0, 1.0, 4), ("block", 1.0, 1.0, 4), ("standard"
 
 
 @pytest.mark.parametrize("method,temperature,top_p,k", LOSSLESS_CASES)
-def test_lossless_joint_law_of_first_three_tokens(method, temperature, top_p, k):
+def test_lossless_joint_law_of_first_three_tokens(method, temperature, top_p, k, rng_seed):
+    """N_DRAWS requests of one prompt (V = 16): all three tokens jointly (df up to V^3 - 1, bins
+    merged), the first two jointly and the first alone follow the target's exact law, each check with
+    the power DETECTS states. The first token's check has power too: the same draws tested against the
+    law at 0.8 T fail it (probability >= 0.99 from the exact laws); the joint checks' controls are the
+    tests below (one per case)."""
     target, drafter = tiny_pair()
     prompt = [3, 7, 1]
     law = target_joint_law(target, prompt, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, rejection_sample_method=method)
-    counts = sample_first_three(decoder, prompt, params, N_DRAWS)
-    assert_matches(counts, law, f"{method} T={temperature} top_p={top_p}")
-    assert_matches(counts.reshape(law.shape).sum((1, 2)), law.sum((1, 2)), "first token")
+    counts = sample_first_three(decoder, prompt, params, N_DRAWS, rng_seed)
+    assert_first_three_match(counts, law, f"{method} T={temperature} top_p={top_p} K={k}")
+    colder = first_three_checks(target_joint_law(target, prompt, 0.8 * temperature, top_p))["first token"]
+    assert power(noncentrality(first_three_checks(law)["first token"], colder, N_DRAWS),
+                 design(colder, N_DRAWS).df) >= POWER
+    assert_differs(first_three_checks(counts)["first token"], colder, "first token against the law at 0.8 T")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,temperature,top_p,k", LOSSLESS_CASES[:4])
-def test_cuda_decoder_is_lossless(method, temperature, top_p, k):
+def test_cuda_decoder_is_lossless(method, temperature, top_p, k, rng_seed):
     """The same test with the decoder on CUDA: its Triton kernels get their inputs as the decoder
     passes them (the drafts as a view of the step's token block). The law is the CPU model's."""
     target, drafter = tiny_pair()
@@ -141,15 +183,16 @@ def test_cuda_decoder_is_lossless(method, temperature, top_p, k):
     target.cuda(), drafter.cuda()
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=3, ignore_eos=True)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, rejection_sample_method=method)
-    assert_matches(sample_first_three(decoder, prompt, params, N_DRAWS), law, f"cuda {method} T={temperature}")
+    counts = sample_first_three(decoder, prompt, params, N_DRAWS, rng_seed)
+    assert_first_three_match(counts, law, f"cuda {method} T={temperature}")
 
 
 class MisstatedProposals(SpeculativeDecoder):
     """Negative control: drafts are drawn from the drafter's q, but verification is told they
     came from the uniform distribution."""
 
-    def draft(self, anchor, start, draft_probs, sampling):
-        drafts = super().draft(anchor, start, draft_probs, sampling)
+    def draft(self, anchor, start, draft_probs, *args, **kwargs):
+        drafts = super().draft(anchor, start, draft_probs, *args, **kwargs)
         draft_probs.fill_(1.0 / draft_probs.shape[-1])
         return drafts
 
@@ -157,16 +200,42 @@ class MisstatedProposals(SpeculativeDecoder):
 class RecordedProposals(SpeculativeDecoder):
     """Keeps every draft block and the proposals stored for it."""
 
-    def draft(self, anchor, start, draft_probs, sampling):
-        drafts = super().draft(anchor, start, draft_probs, sampling)
+    def draft(self, anchor, start, draft_probs, *args, **kwargs):
+        drafts = super().draft(anchor, start, draft_probs, *args, **kwargs)
         self.recorded.append((drafts.clone(), draft_probs.clone()))
         return drafts
 
 
+class TopPOnDrafts(SpeculativeDecoder):
+    """Negative control for the filtered requests: top-p applied to the drafts' law instead of the
+    target's. The steps verify against the unfiltered target (the prefill's first token keeps the
+    filter), and the drafter's logits are filtered (see top_p_on_drafts). The output then follows the
+    unfiltered law after the first token: exactly target_joint_law(..., later_top_p=1)."""
+
+    def _verify(self, logits, drafts, draft_probs, sampling, offset):
+        if drafts.shape[1]:
+            sampling = dataclasses.replace(sampling, uses_filters=False)
+        return super()._verify(logits, drafts, draft_probs, sampling, offset)
+
+
+def top_p_on_drafts(monkeypatch, top_p: float) -> None:
+    """Filters the drafter's base logits [B, K, V] at top_p before ancestral drafting draws from them."""
+    import dspark.decoder as decoder_module
+    draft = decoder_module.ancestral_draft
+
+    def filtered_draft(logits, hidden, head, anchor, temperature, *rest):
+        B = logits.shape[0]
+        logits = apply_filters(logits.float(), temperature, torch.zeros(B, dtype=torch.long),
+                               torch.full((B,), top_p), torch.zeros(B))
+        return draft(logits, hidden, head, anchor, temperature, *rest)
+    monkeypatch.setattr(decoder_module, "ancestral_draft", filtered_draft)
+
+
 @pytest.mark.parametrize("method", ["standard", "block"])
-def test_greedy_drafts_at_temperature_one_are_lossless_with_one_hot_proposals(method):
+def test_greedy_drafts_at_temperature_one_are_lossless_with_one_hot_proposals(method, rng_seed):
     """use_rejection_sampling=False at T = 1: the argmax chain, stated as one-hot proposals, and the
-    output still the target's law (the same test and power as the cases above)."""
+    output still the target's law (the same checks and power as the cases above; the control is
+    test_misstated_proposals_fail_the_same_test's greedy case)."""
     target, drafter = tiny_pair()
     prompt = [3, 7, 1]
     law = target_joint_law(target, prompt, 1.0, 1.0)
@@ -174,25 +243,50 @@ def test_greedy_drafts_at_temperature_one_are_lossless_with_one_hot_proposals(me
     decoder = RecordedProposals(target, drafter, num_speculative_tokens=4, rejection_sample_method=method,
                                 use_rejection_sampling=False)
     decoder.recorded = []
-    assert_matches(sample_first_three(decoder, prompt, params, N_DRAWS), law, f"{method} greedy drafts")
+    assert_first_three_match(sample_first_three(decoder, prompt, params, N_DRAWS, rng_seed), law,
+                             f"{method} greedy drafts")
     vocab = target.config.vocab_size
     for drafts, proposals in decoder.recorded:
         assert torch.equal(proposals, torch.nn.functional.one_hot(drafts, vocab).float())
 
 
+@pytest.mark.parametrize("greedy_drafts", [False, True], ids=["sampled", "greedy drafts"])
 @pytest.mark.parametrize("method", ["standard", "block"])
-def test_misstated_proposals_fail_the_same_test(method):
+def test_misstated_proposals_fail_the_same_test(method, greedy_drafts, rng_seed):
+    """The control of the T = 1, K = 4 cases (sampled drafts) and of the greedy-draft cases: drafts
+    verified as if drawn from the uniform law fail the joint checks (N_CONTROL_DRAWS draws)."""
     target, drafter = tiny_pair()
     prompt = [3, 7, 1]
     law = target_joint_law(target, prompt, 1.0, 1.0)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    decoder = MisstatedProposals(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
-    assert_differs(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS), law)
+    decoder = MisstatedProposals(target, drafter, num_speculative_tokens=4, rejection_sample_method=method,
+                                 use_rejection_sampling=not greedy_drafts)
+    counts = sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS, rng_seed)
+    assert_first_two_differ(counts, law, "misstated proposals")
 
 
-def test_noise_reused_across_steps_fails_the_same_test(monkeypatch):
-    """Negative control for the step boundary: every step draws with offset 0, so the steps of a
-    request reuse one another's noise. Measured: statistic 5.4e3 against a threshold of 787."""
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_top_p_on_the_drafts_instead_of_the_target_fails_the_same_test(method, monkeypatch, rng_seed):
+    """The control of the T = 0.7, top-p 0.9 cases: TopPOnDrafts fails the joint checks, with
+    probability >= 0.99 by its exact law (N_CONTROL_DRAWS draws)."""
+    target, drafter = tiny_pair()
+    prompt = [3, 7, 1]
+    law = target_joint_law(target, prompt, 0.7, 0.9)
+    wrong = target_joint_law(target, prompt, 0.7, 0.9, later_top_p=1.0)
+    for check, probs in first_three_checks(law).items():
+        if check != "first token":
+            lam = noncentrality(first_three_checks(wrong)[check], probs, N_CONTROL_DRAWS)
+            assert power(lam, design(probs, N_CONTROL_DRAWS).df) >= POWER, check
+    top_p_on_drafts(monkeypatch, 0.9)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, ignore_eos=True)
+    decoder = TopPOnDrafts(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
+    assert_first_two_differ(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS, rng_seed), law,
+                            "top-p on the drafts")
+
+
+def test_noise_reused_across_steps_fails_the_same_test(monkeypatch, rng_seed):
+    """The control of the K = 1 case, at the step boundary: every step draws with offset 0, so the
+    steps of a request reuse one another's noise; it fails the joint checks."""
     import dspark.decoder as decoder_module
     verify, draft = decoder_module.verify, decoder_module.ancestral_draft
     monkeypatch.setattr(decoder_module, "verify", lambda *a: verify(*a[:6], torch.zeros_like(a[6]), a[7]))
@@ -203,7 +297,8 @@ def test_noise_reused_across_steps_fails_the_same_test(monkeypatch):
     law = target_joint_law(target, prompt, 1.0, 1.0)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=1)
-    assert_differs(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS), law)
+    assert_first_two_differ(sample_first_three(decoder, prompt, params, N_CONTROL_DRAWS, rng_seed), law,
+                            "noise reused")
 
 
 def test_same_seed_reproduces_and_differs_across_seeds():

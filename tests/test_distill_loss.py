@@ -1,5 +1,6 @@
-"""dspark::distill_loss: its terms, agreement and closed-form gradient against autograd of the plain
-formulas (distill_terms), on the CPU (eager, opcheck, compiled) and on CUDA (the Triton kernel)."""
+"""dspark::distill_loss: its terms, agreement and closed-form gradient against an independent float64
+reference written from the loss's definition (reference_loss) and against autograd of the plain formulas
+(distill_terms), on the CPU (eager, opcheck, compiled) and on CUDA (the Triton kernel)."""
 import pytest
 import torch
 
@@ -25,6 +26,46 @@ def gradients(fn, logits, bias, target_logits, labels, weights):
     terms = terms[0] if isinstance(terms, tuple) else terms
     upstream = torch.linspace(-1.0, 2.0, len(terms), device=terms.device)
     return terms, torch.autograd.grad((terms * upstream).sum(), leaves)
+
+
+def reference_loss(logits, bias, target_logits, labels, ce_weight, tv_weight, argmax_weight, kl_weight):
+    """The loss from its definition in float64 (z = logits + bias, q = softmax(z), p = softmax(target),
+    y the label, a the target's first argmax): terms = w_ce CE + w_tv TV + w_am AM + w_kl KL with
+    CE = -log q_y, TV = 1/2 sum |q - p|, AM = -log q_a, KL = sum p log(p / q); the agreement
+    [argmax z == a]; log q_y - log p_y; and d terms / d z by float64 autograd of those formulas."""
+    z = logits.double() + (0.0 if bias is None else bias.double())
+    z.requires_grad_()
+    q = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+    t = target_logits.double()
+    p = torch.exp(t) / torch.exp(t).sum(-1, keepdim=True)
+    rows, a = torch.arange(len(labels)), t.argmax(-1)
+    ce, am = -torch.log(q[rows, labels]), -torch.log(q[rows, a])
+    tv = 0.5 * (q - p).abs().sum(-1)
+    kl = (p * torch.log(p / q)).sum(-1)
+    terms = ce_weight * ce + tv_weight * tv + argmax_weight * am + kl_weight * kl
+    grad, = torch.autograd.grad(terms.sum(), z)  # row r's terms depend on row r of z only
+    log_ratio = torch.log(q[rows, labels]) - torch.log(p[rows, labels])
+    return terms.detach(), tv.detach(), (z.argmax(-1) == a).double(), log_ratio.detach(), grad
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("weights", [WEIGHTS, (1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
+                                     (0.0, 0.0, 0.0, 1.0)], ids=["recipe", "ce", "tv", "argmax", "kl"])
+def test_op_is_the_losss_definition_in_float64(with_bias, weights):
+    """Every output of the op (float32) against reference_loss; the op's autograd is the reference's
+    gradient scaled by the upstream gradient, for the logits and the bias. A negative control: another
+    weighting's reference terms differ from the op's."""
+    args = inputs(rows=9, with_bias=with_bias, seed=10 + len(weights))
+    want = reference_loss(*args, *weights)
+    got = loss_op(*args, *weights)
+    for name, a, b in zip(("terms", "tv", "agree", "log_ratio", "grad"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=2e-6, msg=name)
+    _, grads = gradients(loss_op, *args, weights)
+    upstream = torch.linspace(-1.0, 2.0, len(args[3]), dtype=torch.float64)[:, None]
+    for g in grads:
+        torch.testing.assert_close(g.double(), want[4] * upstream, rtol=1e-5, atol=2e-6)
+    other = reference_loss(*args, *reversed(weights))[0]
+    assert (other - got[0].double()).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
