@@ -1,20 +1,35 @@
-"""The serving engine under load: continuous batching with and without speculation, in one process.
+"""The server under load. Two measurements:
+
+--http: the HTTP server (`python -m dspark.serve`, the default pair, in a process of its own) and
+the official `openai` client. A good request's latency alone, then beside `--slow` connections
+that send their request heads a byte a second (reconnecting when the server closes them); then
+`--clients` concurrent streaming requests, each of which must finish with text; the server's
+thread count and resident memory idle and at their highest under each load.
+
+    python -m bench.serve --http [--clients 256] [--slow 300] [--tokens 32] [--max-batch 16] [--out table.md]
+
+Without --http: the serving engine alone, continuous batching with and without speculation, in one process.
 
 Closed loop: `concurrency` clients each submit a held-out prompt, wait for the whole completion,
-and submit the next, until `--requests` completions are done; the engine (dspark.serve.engine,
+and submit the next, until `--requests` completions are done; the engine (dspark.engine,
 no HTTP) runs in its own thread with `concurrency` batch slots. Per configuration: output tokens
 per second over the wall time, the mean request latency, and the mean acceptance length (tokens
 per step per request). Speculation off (K = 0) and on (the default drafter, K = 7, block
 verification) run at each concurrency and temperature, taking turns over `--rounds`.
 
-    python bench/serve.py [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
+    python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
+import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,8 +38,8 @@ import torch
 from dspark import SamplingParams, SpeculativeDecoder, load_default
 from dspark.data import heldout_prompts, render
 from dspark.loading import fast_dtype
-from dspark.serve.engine import Engine
-from timing import emit_table
+from dspark.engine import Engine
+from bench.timing import emit_table
 
 
 def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
@@ -58,14 +73,7 @@ def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concu
     return time.perf_counter() - began, latencies, counts[0], counts[1]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--requests", type=int, default=8, help="completions per configuration and round")
-    p.add_argument("--tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def engine_load(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = fast_dtype(device)
     target, drafter, tokenizer = load_default(dtype=dtype, device=device)
@@ -104,6 +112,147 @@ def main() -> None:
                 lines.append(f"| {concurrency} | {temperature:g} | {name} | {rates[name]:.1f} | {latency:.2f} "
                              f"| {per_step:.2f} | {speedup} |")
     emit_table(lines, args.out)
+
+
+# ---------------------------------------------------------------------------- the HTTP server
+
+
+def process_stats(pid: int) -> tuple[int, float]:
+    """(threads, resident MB) of process `pid`."""
+    status = open(f"/proc/{pid}/status").read()
+    return int(re.search(r"Threads:\s+(\d+)", status)[1]), int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024
+
+
+def start_server(max_batch: int) -> tuple[subprocess.Popen, str]:
+    """`python -m dspark.serve` on a free port -> (process, base URL), once it serves."""
+    process = subprocess.Popen([sys.executable, "-m", "dspark.serve", "--port", "0", "--max-batch", str(max_batch),
+                                "--disable-access-log", "--disable-log-stats"], stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # drain its log
+            return process, found[1]
+    raise SystemExit("the server did not start")
+
+
+class Peak:
+    """The highest thread count and resident memory of a process, sampled every 0.2 s while running."""
+
+    def __init__(self, pid: int):
+        self.pid, self.threads, self.rss = pid, 0, 0.0
+
+    async def sample(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            threads, rss = process_stats(self.pid)
+            self.threads, self.rss = max(self.threads, threads), max(self.rss, rss)
+            await asyncio.sleep(0.2)
+
+
+async def slow_connection(port: int, stop: asyncio.Event) -> None:
+    """Sends a request head a byte a second, on a new connection whenever the server closes one."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    while not stop.is_set():
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for byte in head:
+                if stop.is_set():
+                    break
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(1.0)
+        except ConnectionError:  # the server closed it: its head deadline
+            pass
+        writer.close()
+
+
+async def http_load(args) -> list[str]:
+    import httpx2
+    import openai
+
+    process, url = start_server(args.max_batch)
+    port = int(url.rsplit(":", 1)[1])
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=3600,
+                                http_client=openai.DefaultAsyncHttpx2Client(limits=httpx2.Limits(
+                                    max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)))
+    prompts = [p.text for p in heldout_prompts()]
+
+    async def good_request() -> float:
+        began = time.perf_counter()
+        await client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                        max_tokens=args.tokens, temperature=0, extra_body={"ignore_eos": True})
+        return time.perf_counter() - began
+
+    async def stream(i: int) -> tuple[bool, float, int]:
+        """(finished with text, seconds to the first text, tokens) of one streamed chat."""
+        began, first, text, finish, tokens = time.perf_counter(), None, "", None, 0
+        chunks = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
+            max_tokens=args.tokens, temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True})
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter() - began
+                text += chunk.choices[0].delta.content
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return bool(text) and finish is not None, first or float("nan"), tokens
+
+    try:
+        await good_request()  # warm-up
+        idle = process_stats(process.pid)
+        alone = statistics.median([await good_request() for _ in range(5)])
+        stop, peak = asyncio.Event(), Peak(process.pid)
+        background = [asyncio.create_task(slow_connection(port, stop)) for _ in range(args.slow)]
+        background.append(asyncio.create_task(peak.sample(stop)))
+        await asyncio.sleep(3)  # all of them connected and trickling
+        beside_slow = statistics.median([await good_request() for _ in range(5)])
+        stop.set()
+        await asyncio.gather(*background)
+        slow_peak = peak
+        stop, peak = asyncio.Event(), Peak(process.pid)
+        sampler = asyncio.create_task(peak.sample(stop))
+        began = time.perf_counter()
+        results = await asyncio.gather(*[stream(i) for i in range(args.clients)])
+        wall = time.perf_counter() - began
+        stop.set()
+        await sampler
+    finally:
+        process.terminate()
+        code = process.wait(60)
+    first = sorted(r[1] for r in results)
+    tokens = sum(r[2] for r in results)
+    return [f"{datetime.date.today()}, {platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}; "
+            f"python -m dspark.serve --max-batch {args.max_batch} (the default pair), the official openai client; "
+            f"{args.tokens} new tokens a request; the server exited {code} on SIGTERM",
+            "", "| load | result | server threads | server RSS MB |", "|---|---|---|---|",
+            f"| idle | - | {idle[0]} | {idle[1]:.0f} |",
+            f"| a good request alone | {alone:.2f} s (median of 5) | - | - |",
+            f"| beside {args.slow} slow connections (a byte a second) | {beside_slow:.2f} s, "
+            f"{beside_slow / alone:.2f}x alone | {slow_peak.threads} | {slow_peak.rss:.0f} |",
+            f"| {args.clients} concurrent streams | {sum(r[0] for r in results)} of {args.clients} finished with "
+            f"text in {wall:.0f} s; {tokens / wall:.1f} tokens/s; first text p50 {first[len(first) // 2]:.1f} s, "
+            f"max {first[-1]:.1f} s | {peak.threads} | {peak.rss:.0f} |"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--http", action="store_true", help="the HTTP server's load test (else the engine alone)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--requests", type=int, default=8, help="completions per configuration and round")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 64, --http 32)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--clients", type=int, default=256, help="--http: concurrent streaming clients")
+    p.add_argument("--slow", type=int, default=300, help="--http: slow connections")
+    p.add_argument("--max-batch", type=int, default=16, help="--http: the server's batch slots")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.http:
+        args.tokens = args.tokens or 32
+        emit_table(asyncio.run(http_load(args)), args.out)
+    else:
+        args.tokens = args.tokens or 64
+        engine_load(args)
 
 
 if __name__ == "__main__":
