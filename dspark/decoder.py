@@ -16,26 +16,40 @@ device does not wait for the host's bookkeeping.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.drafter import DSparkDrafter
 from dspark.drafting import ancestral_draft, greedy_draft
+from dspark.kv_cache import KV_BLOCK_SIZE, contiguous_block_table
 from dspark.ops.verify import greedy_verify, verify
 from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int
 from dspark.target import TargetModel
 
 VERIFY_METHODS = ("standard", "block")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")  # SamplingTensors' per-row tensors
 RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
 # The attention kernels a prefill may use: not cuDNN's, which builds an execution plan for every new
 # shape (FlashInfer measured 55-70 ms per shape on SM100; bench/prefill.py compares), and a prefill
 # meets a new shape with every prompt length and group size. Decode steps keep torch's choice: their
 # shape is fixed per cache.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def sampling_rows(sampling: SamplingTensors, index: torch.Tensor | slice) -> SamplingTensors:
+    """The sampling tensors of some rows of a batch, with the batch's flags (a row without a filter
+    passes through apply_filters unchanged, and a greedy row takes its argmax on either path)."""
+    return dataclasses.replace(sampling, **{name: getattr(sampling, name)[index] for name in SAMPLING_FIELDS})
 
 
 class Readback:
@@ -85,7 +99,7 @@ def capture_step(step: Callable, args: tuple, scratch: torch.Tensor, pool=None):
 def _compile_step(step: Callable) -> Callable:
     """torch.compile(fullgraph=True) of the step. Dynamo keeps the models' cache buffers static,
     so each cache shape is a graph of its own: generate, when compiled, only grows its caches, to
-    powers of two (_cache_shape), and the recompile limit is raised from Dynamo's 8 to what the
+    powers of two (_caches), and the recompile limit is raised from Dynamo's 8 to what the
     sampling variants times those shapes can need."""
     compiled = torch.compile(step, fullgraph=True)
 
@@ -180,13 +194,14 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ the static step
 
     def _step(self, tokens: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-              sampling: SamplingTensors):
+              sampling: SamplingTensors, block_table: torch.Tensor):
         """tokens: [B, K+1] (anchor, drafts); start: [B] position of the anchor;
-        draft_probs: [B, K, V] proposals of the drafts.
+        draft_probs: [B, K, V] proposals of the drafts; block_table: [B, M] the rows' KV blocks, which
+        must hold positions start .. start+K (written here).
         Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B]."""
         k = self.k
         positions = start[:, None] + torch.arange(k + 1, device=start.device)
-        logits, hidden = self.target(tokens, positions, hidden_layer_ids=self.layer_ids)
+        logits, hidden = self.target(tokens, positions, block_table, hidden_layer_ids=self.layer_ids)
         emitted, num_accepted = self._verify(logits, tokens[:, 1:], draft_probs, sampling, start)
         if self.forced_num_accepted is not None:
             emitted, num_accepted = self._force_acceptance(tokens, logits)
@@ -194,8 +209,8 @@ class SpeculativeDecoder:
         next_start = start + num_accepted + 1
         if self.drafter is None:
             return emitted, num_accepted, anchor[:, None], next_start
-        self.drafter.append_context(hidden, positions)
-        drafts = self.draft(anchor, next_start, draft_probs, sampling)
+        self.drafter.append_context(hidden, positions, block_table)
+        drafts = self.draft(anchor, next_start, draft_probs, sampling, block_table)
         return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
@@ -211,15 +226,15 @@ class SpeculativeDecoder:
         return verify(logits, drafts, draft_probs, slots, sampling.temperature, sampling.seed, offset,
                       self.block_verify)
 
-    def draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-              sampling: SamplingTensors, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """anchor, start: [B]; rows: [B] the requests' cache rows, which are also their slots in
+    def draft(self, anchor: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor, sampling: SamplingTensors,
+              block_table: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """anchor, start: [B]; block_table: [B, M] the rows' KV blocks; slots: [B] the rows' slots in
         draft_probs [S, K, V] (default 0 .. B-1) -> drafts [B, K]; writes their proposals into draft_probs."""
-        base_logits, hidden = self.drafter.forward_block(anchor, start, rows)
+        base_logits, hidden = self.drafter.forward_block(anchor, start, block_table)
         if sampling.all_greedy:
             return greedy_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head, anchor)
         temperature = torch.zeros_like(sampling.temperature) if self.greedy_drafts else sampling.temperature
-        slots = torch.arange(anchor.shape[0], device=anchor.device) if rows is None else rows
+        slots = torch.arange(anchor.shape[0], device=anchor.device) if slots is None else slots
         return ancestral_draft(base_logits[:, :self.k], hidden[:, :self.k], self.drafter.markov_head,
                                anchor, temperature, sampling.seed, start, slots, draft_probs)
 
@@ -258,30 +273,39 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
                              f"max_position_embeddings {self.target.config.max_position_embeddings}")
         # Room for one step past the end: a request runs one step after the one that ends it (below).
-        rows, max_len = self._cache_shape(len(prompts), longest + 2 * (self.k + 1))
-        with self._caches(rows, max_len):
-            return self._decode(prompts, params, on_tokens, cuda_graph)
+        lengths = [len(p) + sp.max_tokens + 2 * (self.k + 1) for p, sp in zip(prompts, params)]
+        with self._caches(lengths) as block_table:
+            return self._decode(prompts, params, block_table, on_tokens, cuda_graph)
 
-    def _decode(self, prompts: list[list[int]], params: list[SamplingParams], on_tokens,
-                cuda_graph: bool) -> list[GenerationResult]:
-        """generate's loop, in caches set up for the prompts: the prefill, then steps until every
-        request is finished."""
+    def _decode(self, prompts: list[list[int]], params: list[SamplingParams], block_table: torch.Tensor,
+                on_tokens, cuda_graph: bool) -> list[GenerationResult]:
+        """generate's loop, in caches set up for the prompts (`block_table` [n, M]): the prefill, then
+        steps until every request is finished."""
         batch, device = len(prompts), self.device
         stops = [self.stop_condition(p, prompt) for p, prompt in zip(params, prompts)]
         results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
         sampling = SamplingTensors.from_params(params, device)
         draft_probs = torch.zeros(batch, self.k, self.target.config.vocab_size, device=device)
 
-        anchor, start = self.prefill(prompts, sampling)
+        anchor = torch.empty(batch, dtype=torch.long, device=device)
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        for length, group in by_length.items():
+            rows = torch.tensor(group, device=device)
+            anchor[rows] = self.prefill(torch.tensor([prompts[i] for i in group], device=device), [0] * len(group),
+                                        block_table[rows], sampling_rows(sampling, rows))
+        start = torch.tensor([len(p) for p in prompts], device=device)
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
             self._hand_out(i, stops[i].extend(results[i], [token]), results, active, on_tokens)
         tokens = anchor[:, None].clone()
         if self.drafter is not None:
-            drafts = self.draft(anchor, start, draft_probs, sampling)
+            drafts = self.draft(anchor, start, draft_probs, sampling, block_table)
             tokens = torch.cat([tokens, drafts], dim=1)
-        if cuda_graph:  # tokens, start, draft_probs and sampling are the graph's buffers from here on
-            graph, graph_outputs = capture_step(self.step, (tokens, start, draft_probs, sampling), draft_probs)
+        args = (tokens, start, draft_probs, sampling, block_table)  # the step's buffers from here on
+        if cuda_graph:
+            graph, graph_outputs = capture_step(self.step, args, draft_probs)
 
             def step(*_):
                 graph.replay()
@@ -289,7 +313,7 @@ class SpeculativeDecoder:
         else:
             step = self.step
 
-        outputs = step(tokens, start, draft_probs, sampling) if active.any() else None
+        outputs = step(*args) if active.any() else None
         readback = None if outputs is None else Readback(*outputs[:2])
         while outputs is not None:
             emitted, num_accepted, next_tokens, next_start = outputs
@@ -300,66 +324,68 @@ class SpeculativeDecoder:
             keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
             tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
             start.copy_(torch.where(keep, next_start, start))
-            queued = step(tokens, start, draft_probs, sampling) if self.reads_behind else None
+            queued = step(*args) if self.reads_behind else None
             emitted_rows, accepted_counts = readback.lists()
             for i in active.nonzero().flatten().tolist():
                 taken, _ = stops[i].take_step(results[i], emitted_rows[i], accepted_counts[i])
                 self._hand_out(i, taken, results, active, on_tokens)
             if not active.any():
                 break
-            outputs = queued if queued is not None else step(tokens, start, draft_probs, sampling)
+            outputs = queued if queued is not None else step(*args)
         return results
 
     @contextlib.contextmanager
-    def _caches(self, rows: int, length: int):
-        """The models' caches for one generate call, freed after it unless the step is compiled."""
-        self.target.setup_caches(rows, length)
-        if self.drafter is not None:
-            self.drafter.setup_caches(rows, length)
+    def _caches(self, lengths: list[int]):
+        """The models' paged caches for one generate call, and its block table [n, M]: row i holds
+        lengths[i] positions in blocks of its own. An eager decoder frees the caches after the call. A
+        compiled one keeps them (its graphs are specialized to their shapes) and sizes the pool and the
+        table's width in powers of two, at least the pool it has, so that a long-lived decoder meets few
+        shapes."""
+        num_blocks, block_table = contiguous_block_table(lengths)
+        if self.compiled:
+            num_blocks = max(self._pool_blocks(), _power_of_two(num_blocks))
+            block_table = F.pad(block_table, (0, _power_of_two(block_table.shape[1]) - block_table.shape[1]))
+        if self._pool_blocks() != num_blocks:
+            self.target.setup_caches(num_blocks, KV_BLOCK_SIZE)
+            if self.drafter is not None:
+                self.drafter.setup_caches(num_blocks, KV_BLOCK_SIZE)
         try:
-            yield
+            yield block_table.to(self.device)
         finally:
             if not self.compiled:  # an eager target's forward is a plain causal forward again
                 self.target.drop_caches()
                 if self.drafter is not None:
                     self.drafter.drop_caches()
 
-    def _cache_shape(self, batch: int, length: int) -> tuple[int, int]:
-        """The caches generate sets up for `batch` rows of `length` positions: exactly that, or, for
-        a compiled step (whose graphs are specialized to the cache shape), at least the shape of the
-        caches in place and powers of two, so that a long-lived decoder meets few shapes."""
-        if not self.compiled:
-            return batch, length
-        layer = self.target.layers[0]
-        rows, positions = (0, 0) if layer.kv_cache is None else layer.kv_cache.k_cache.shape[::2]
-        return max(rows, 1 << (batch - 1).bit_length()), max(positions, 1 << (length - 1).bit_length())
+    def _pool_blocks(self) -> int:
+        """The number of blocks of the caches in place (0: none)."""
+        cache = self.target.layers[0].kv_cache
+        return 0 if cache is None else cache.k_pool.shape[1]
 
-    def prefill(self, prompts: list[list[int]], sampling: SamplingTensors, rows: list[int] | None = None):
-        """Runs the prompts through the target into their cache rows (default 0 .. n-1; prompts of
-        one length together) and fills the drafter's context, then draws every request's first
-        token (`sampling`: the prompts' rows). Returns those tokens [n] and their positions [n]."""
+    def prefill(self, tokens: torch.Tensor, begins: list[int], block_table: torch.Tensor,
+                sampling: SamplingTensors | None) -> torch.Tensor | None:
+        """Runs one chunk of each row's prompt through the target into its KV blocks and the drafter's
+        context; with `sampling` (the chunk ends the prompt), draws each row's first token.
+
+        tokens: [B, L], row b's positions begins[b] .. begins[b]+L-1 (the positions before them are in
+        the cache already); block_table: [B, M] the rows' blocks -> the first tokens [B], or None.
+        """
         device = self.device
-        rows = list(range(len(prompts))) if rows is None else rows
-        last_logits = torch.empty(len(prompts), 1, self.target.config.vocab_size, device=device)
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(i)
-        for length, group in by_length.items():
-            cache_rows = torch.tensor([rows[i] for i in group], device=device)
-            ids = torch.tensor([prompts[i] for i in group], device=device)
-            positions = torch.arange(length, device=device).expand(len(group), length)
-            last = torch.full((len(group), 1), length - 1, device=device)
-            with sdpa_kernel(PREFILL_ATTENTION):
-                logits, hidden = self.target(ids, positions, rows=cache_rows, hidden_layer_ids=self.layer_ids,
-                                             logits_at=last)
-            if self.drafter is not None:
-                self.drafter.append_context(hidden, positions, rows=cache_rows)
-            last_logits[torch.tensor(group, device=device)] = logits
-        start = torch.tensor([len(p) for p in prompts], device=device)
-        no_drafts = torch.empty(len(prompts), 0, dtype=torch.long, device=device)
-        no_probs = torch.empty(len(prompts), 0, last_logits.shape[-1], device=device)
-        emitted, _ = self._verify(last_logits, no_drafts, no_probs, sampling, start - 1)
-        return emitted[:, 0], start
+        length = tokens.shape[1]
+        begin = torch.tensor(begins, device=device)
+        positions = begin[:, None] + torch.arange(length, device=device)
+        last = torch.full((len(begins), 1), length - 1, device=device)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            logits, hidden = self.target(tokens, positions, block_table, length=max(begins) + length,
+                                         hidden_layer_ids=self.layer_ids, logits_at=last)
+        if self.drafter is not None:
+            self.drafter.append_context(hidden, positions, block_table)
+        if sampling is None:
+            return None
+        no_drafts = torch.empty(len(begins), 0, dtype=torch.long, device=device)
+        no_probs = torch.empty(len(begins), 0, logits.shape[-1], device=device)
+        emitted, _ = self._verify(logits, no_drafts, no_probs, sampling, begin + length - 1)
+        return emitted[:, 0]
 
     @staticmethod
     def _hand_out(i: int, taken: list[int], results, active, on_tokens) -> None:

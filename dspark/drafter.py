@@ -13,10 +13,10 @@ Module and tensor names follow DeepSpec's `Qwen3DSparkModel`, so its checkpoints
 - Optional two-sided sliding window W (flash-attention's non-causal window (W-1, W-1)): the query at
   position p sees keys at positions p-W+1 .. p+W-1 among those above.
 
-At inference the block attention is two partial attentions over disjoint key sets, the context and
-the block's own keys, joined with dspark::lse_merge. With a window, only the last W-1 context
-positions are read from the cache. Training (`forward_train`) runs many blocks per sequence through
-one SDPA with DeepSpec's block mask.
+At inference the block attention is two partial attentions over disjoint key sets, the context (read
+from the paged context cache by `dspark::paged_attention`, only the positions a query sees: with a
+window, the W-1 before the block) and the block's own keys, joined with dspark::lse_merge. Training
+(`forward_train`) runs many blocks per sequence through one SDPA with DeepSpec's block mask.
 """
 from __future__ import annotations
 
@@ -28,23 +28,10 @@ from torch import nn
 
 import dspark.ops.lse_merge  # noqa: F401  (registers torch.ops.dspark.lse_merge)
 from dspark.config import DrafterConfig
+from dspark.kv_cache import CacheAccess, PagedKVCache
 from dspark.layers import DecoderLayer, RMSNorm, Rotary, project_vocab
 from dspark.markov import build_markov_head
-from dspark.target import KVCache
-
-
-class ContextCache(KVCache):
-    """One layer's keys and values of the injected context, at (cache row, absolute position)."""
-
-    def read(self, rows: torch.Tensor | None, batch: int, positions: torch.Tensor | None = None):
-        # rows: [B] or None for rows 0..B-1; positions: [B, S] or None for all
-        # -> k, v: [B, num_kv_heads, S or max_seq_len, head_dim]
-        if positions is None:
-            return super().read(rows, batch)
-        index = torch.arange(batch, device=positions.device) if rows is None else rows
-        k = self.k_cache[index[:, None], :, positions]
-        v = self.v_cache[index[:, None], :, positions]
-        return k.transpose(1, 2), v.transpose(1, 2)
+from dspark.ops.paged_attention import slot_ids
 
 
 def context_visible(key_pos: torch.Tensor, query_pos: torch.Tensor, block_start: torch.Tensor,
@@ -90,17 +77,15 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     return o.view(batch, num_heads, length, head_dim), lse.view(batch, num_heads, length)
 
 
-def merged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context_k: torch.Tensor,
-                           context_v: torch.Tensor, context_visible: torch.Tensor,
-                           block_visible: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Inference attention of one block: over the context keys and over the block's own keys,
-    merged by log-sum-exp.
+def merged_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, context: PagedKVCache,
+                           access: CacheAccess, block_visible: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Inference attention of one block: over the cached context keys its queries see (`access`)
+    and over the block's own keys, merged by log-sum-exp.
 
-    q: [B, H, K, D]; k, v: [B, H_kv, K, D] (the block's); context_k, context_v: [B, H_kv, S, D];
-    context_visible: [B, K or 1, S]; block_visible: [1, K, K] or None -> [B, H, K, D]
+    q: [B, H, K, D]; k, v: [B, H_kv, K, D] (the block's); block_visible: [1, K, K] or None -> [B, H, K, D]
     """
     batch, num_heads, length, head_dim = q.shape
-    o_ctx, lse_ctx = partial_attention(q, context_k, context_v, context_visible, scale)
+    o_ctx, lse_ctx = context.attend(q, access, scale)
     o_blk, lse_blk = partial_attention(q, k, v, block_visible, scale)
 
     def tokens_first(x: torch.Tensor) -> torch.Tensor:  # [B, H, K, ...] -> [B*K, H, ...]
@@ -129,7 +114,7 @@ class DrafterLayer(DecoderLayer):
 
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
-        self.context_cache: ContextCache | None = None
+        self.context_cache: PagedKVCache | None = None
 
 
 class ConfidenceHead(nn.Module):
@@ -175,82 +160,75 @@ class DSparkDrafter(nn.Module):
         self.confidence_head = ConfidenceHead(d, markov_input) if config.enable_confidence_head else None
         self.rotary = Rotary(config)
         self.scale = config.head_dim ** -0.5
-        self.max_seq_len: int | None = None
+        self.kv_block_size: int | None = None  # the context caches' block size, while they are set up
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocates each layer's context cache (static shape) in the drafter's dtype and device."""
+    def setup_caches(self, num_blocks: int, block_size: int) -> None:
+        """Allocates each layer's paged context cache (the target's block count and size: the
+        request's one block table serves both) in the drafter's dtype and device."""
         c, weight = self.config, self.fc.weight
         for layer in self.layers:
-            layer.context_cache = ContextCache(max_batch_size, c.num_key_value_heads, max_seq_len,
-                                               c.head_dim, weight.dtype, weight.device)
-        self.max_seq_len = max_seq_len
+            layer.context_cache = PagedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                                               weight.dtype, weight.device)
+        self.kv_block_size = block_size
 
     def drop_caches(self) -> None:
         """Frees the context caches (drafting needs setup_caches again)."""
         for layer in self.layers:
             layer.context_cache = None
-        self.max_seq_len = None
+        self.kv_block_size = None
 
     def _check_caches(self) -> None:
-        if self.max_seq_len is None:
+        if self.kv_block_size is None:
             raise RuntimeError("the drafter has no context cache: call setup_caches first")
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         # features: [B, T, m * hidden] target layer outputs -> H_ctx [B, T, hidden]
         return self.hidden_norm(self.fc(features))
 
-    def append_context(self, features: torch.Tensor, positions: torch.Tensor,
-                       rows: torch.Tensor | None = None) -> None:
-        """Writes the context keys/values of every layer for these tokens at (rows, positions).
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> None:
+        """Writes the context keys/values of every layer for these tokens at their positions.
 
-        features: [B, T, m * hidden]; positions: [B, T]; rows: [B] cache rows (default 0..B-1).
+        features: [B, T, m * hidden]; positions: [B, T]; block_table: [B, M] the rows' blocks.
         Positions at or after a later block's `start` are masked out of that block, so a caller may
         write a fixed-width chunk of which only a prefix is verified; those slots get rewritten.
         """
         self._check_caches()
         context = self.fuse_context(features)
         cos, sin = self.rotary(positions)
+        slots = slot_ids(block_table, positions, self.kv_block_size)
         for layer in self.layers:
             k, v = layer.self_attn.keys_values(context, cos, sin)
-            layer.context_cache.write(rows, positions, k, v)
+            layer.context_cache.write(slots, k, v)
 
     def forward_block(self, anchor: torch.Tensor, start: torch.Tensor,
-                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts one block per row: inputs [anchor, mask x (K-1)] at positions start .. start+K-1
-        over the cached context at positions < start (without a window, the whole cache is read and
-        masked; with one, only the W-1 positions before start).
+        over the cached context at positions < start (with a window W, only those within W-1 of the
+        query: positions >= query - W + 1).
 
-        anchor, start: [B] long; rows: [B] cache rows (default 0..B-1)
+        anchor, start: [B] long; block_table: [B, M] the rows' blocks
         -> base logits [B, K, vocab] float32 (slot k predicts the token at start+k+1) and the
         final-norm hidden states [B, K, hidden] that the Markov and confidence heads read.
         """
         self._check_caches()
         c, K = self.config, self.block_size
         batch, device = anchor.shape[0], anchor.device
-        offsets = torch.arange(K, device=device)
         tokens = torch.cat([anchor[:, None], anchor.new_full((batch, K - 1), c.mask_token_id)], dim=1)
-        positions = start[:, None] + offsets
+        positions = start[:, None] + torch.arange(K, device=device)
         cos, sin = self.rotary(positions)
-
-        window = c.sliding_window
-        if window is None:  # the whole cache, masked at the block start
-            key_pos = torch.arange(self.max_seq_len, device=device)[None]
-            read_pos = None
-        else:  # only the W-1 positions before the block can be in any query's window
-            key_pos = start[:, None] - (window - 1) + torch.arange(window - 1, device=device)
-            read_pos = key_pos.clamp_min(0)
-        visible = context_visible(key_pos, positions, start[:, None], window)
-        visible_in_block = block_visible(K, window, device)
+        hi = start[:, None].expand(batch, K)
+        lo = torch.zeros_like(positions) if c.sliding_window is None else (positions - c.sliding_window + 1).clamp_min(0)
+        access = CacheAccess(block_table, lo=lo, hi=hi)  # reads only
+        visible_in_block = block_visible(K, c.sliding_window, device)
 
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            context_k, context_v = layer.context_cache.read(rows, batch, read_pos)
-            attend = partial(merged_block_attention, context_k=context_k, context_v=context_v,
-                             context_visible=visible, block_visible=visible_in_block, scale=self.scale)
+            attend = partial(merged_block_attention, context=layer.context_cache, access=access,
+                             block_visible=visible_in_block, scale=self.scale)
             x = layer(x, cos, sin, attend)
         hidden = self.norm(x)
         return project_vocab(self.lm_head, hidden), hidden

@@ -1,10 +1,11 @@
-"""The target model: a Llama-family (SmolLM2, Llama 3) or Qwen3 decoder with a static KV cache.
+"""The target model: a Llama-family (SmolLM2, Llama 3) or Qwen3 decoder over a paged KV cache.
 
 Module names follow HF's, so a checkpoint loads by name once its `model.` prefix is stripped.
-One forward serves prefill, decoding and verification: it writes the keys/values of the given
-tokens at their (row, position) in the cache, and each query sees the cached keys at positions up
-to its own. Shapes are static and nothing branches on tensor values, so the forward compiles with
-`torch.compile(fullgraph=True)` and can be captured in a CUDA graph.
+One forward serves prefill chunks, decoding and verification: it writes the keys/values of the given
+tokens where their request's block table says (dspark.kv_cache), and each query sees the cached keys
+at positions up to its own. The decode step's shapes are static and nothing branches on tensor
+values, so it compiles with `torch.compile(fullgraph=True)` and can be captured in a CUDA graph.
+Without caches the forward is a plain causal forward over the given tokens (training, tests).
 """
 from __future__ import annotations
 
@@ -15,36 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
+from dspark.kv_cache import CacheAccess, PagedKVCache
 from dspark.layers import DecoderLayer, RMSNorm, Rotary, project_vocab
-
-
-class KVCache(nn.Module):
-    """Keys and values of one layer for `max_batch_size` sequences of up to `max_seq_len` tokens,
-    held in buffers so that compiled steps and CUDA graphs update them in place."""
-
-    def __init__(self, max_batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        shape = (max_batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def write(self, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # rows: [B] cache rows, or None for rows 0..B-1; positions: [B, T]; k, v: [B, num_kv_heads, T, head_dim]
-        index = (torch.arange(positions.shape[0], device=positions.device) if rows is None else rows)[:, None]
-        self.k_cache[index, :, positions] = k.transpose(1, 2)
-        self.v_cache[index, :, positions] = v.transpose(1, 2)
-
-    def read(self, rows: torch.Tensor | None, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # rows: [B] or None for rows 0..batch-1 (a view, no copy) -> k, v: [B, num_kv_heads, max_seq_len, head_dim]
-        if rows is None:
-            return self.k_cache[:batch], self.v_cache[:batch]
-        return self.k_cache[rows], self.v_cache[rows]
-
-    def update(self, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Writes these tokens' keys and values, then returns all of their rows' (see read)."""
-        self.write(rows, positions, k, v)
-        return self.read(rows, positions.shape[0])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -69,19 +42,26 @@ def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class TargetLayer(DecoderLayer):
-    """A decoder layer with its static KV cache (set by TargetModel.setup_caches)."""
+    """A decoder layer with its paged KV cache (set by TargetModel.setup_caches)."""
 
     def __init__(self, config: TargetConfig):
         super().__init__(config)
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: PagedKVCache | None = None
+        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.scale = config.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        # x: [B, T, hidden]; cos, sin: [B, T, head_dim]; mask: see attend; positions: [B, T]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                access: CacheAccess | None) -> torch.Tensor:
+        # x: [B, T, hidden]; cos, sin: [B, T, head_dim]; positions: [B, T]
         def attend_cached(q, k, v):
-            if self.kv_cache is not None:
-                k, v = self.kv_cache.update(rows, positions, k, v)
-            return attend(q, k, v, mask)
+            if access is None:
+                return attend(q, k, v, None)
+            self.kv_cache.write(access.slots, k, v)
+            if access.length is None:
+                return self.kv_cache.attend(q, access, self.scale)[0]
+            keys, values = self.kv_cache.gather(access.block_table, access.length)
+            visible = torch.arange(access.length, device=positions.device) <= positions[..., None]
+            return attend(q, keys, values, grouped_mask(visible, self.groups))
 
         return super().forward(x, cos, sin, attend_cached)
 
@@ -100,41 +80,42 @@ class TargetModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
-        self.max_seq_len: int | None = None
+        self.kv_block_size: int | None = None  # the caches' block size, while they are set up
 
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocates a KV cache per layer in the model's dtype and device; later forwards write to it."""
+    def setup_caches(self, num_blocks: int, block_size: int) -> None:
+        """Allocates a paged KV cache per layer (num_blocks blocks of block_size positions) in the
+        model's dtype and device; forwards given a block table write to it and read from it."""
         weight = self.embed_tokens.weight
         c = self.config
         for layer in self.layers:
-            layer.kv_cache = KVCache(max_batch_size, c.num_key_value_heads, max_seq_len, c.head_dim,
-                                     weight.dtype, weight.device)
-        self.max_seq_len = max_seq_len
+            layer.kv_cache = PagedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                                          weight.dtype, weight.device)
+        self.kv_block_size = block_size
 
     def drop_caches(self) -> None:
         """Frees the KV caches; forwards are plain causal forwards over the given tokens again."""
         for layer in self.layers:
             layer.kv_cache = None
-        self.max_seq_len = None
+        self.kv_block_size = None
 
-    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """The mask `attend` takes for tokens at `positions` [B, T]: with caches, each query sees the
-        cached keys at positions <= its own; without, None (causal attention over the tokens)."""
-        if self.max_seq_len is None:
-            return None
-        cached = torch.arange(self.max_seq_len, device=positions.device)
-        visible = cached[None, None, :] <= positions[:, :, None]
-        return grouped_mask(visible, self.config.num_attention_heads // self.config.num_key_value_heads)
+    def cache_access(self, block_table: torch.Tensor, positions: torch.Tensor, length: int | None) -> CacheAccess:
+        """How tokens at `positions` [B, T] use the cache: each query sees the positions up to its
+        own, read through the paged op (length None) or gathered (a prefill chunk; `length` = the
+        positions its rows hold, this chunk's included)."""
+        if length is not None:
+            return CacheAccess.gathered(block_table, positions, self.kv_block_size, length)
+        return CacheAccess.paged(block_table, positions, self.kv_block_size, torch.zeros_like(positions), positions + 1)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
-                hidden_layer_ids: Sequence[int] = (), logits_at: torch.Tensor | None = None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
+                length: int | None = None, hidden_layer_ids: Sequence[int] = (), logits_at: torch.Tensor | None = None,
                 logits_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions: [B, T] long; rows: [B] long cache rows (default 0..B-1);
+        """tokens, positions: [B, T] long; block_table: [B, M] int32, the rows' blocks;
+        length: for a prefill chunk, the positions its rows hold (see cache_access);
         logits_at: [B, P] long indices into the T tokens whose logits are wanted (default: all T).
 
-        Without caches this is a causal forward over `tokens`. With caches, the tokens' keys and
-        values are written at (rows, positions) and each query sees the cached keys at positions
-        <= its own. Returns logits [B, T or P, vocab] in `logits_dtype` (training asks for the
+        Without a block table this is a causal forward over `tokens`. With one, the tokens' keys and
+        values are written at their positions in the cache and each query sees the cached keys at
+        positions <= its own. Returns logits [B, T or P, vocab] in `logits_dtype` (training asks for the
         model's dtype: the product's own precision, half the bytes of float32) and the outputs of
         decoder layers `hidden_layer_ids` (-1 = the embeddings) concatenated: [B, T, len(ids) *
         hidden] in the model's dtype, or None when no ids are asked for.
@@ -142,13 +123,13 @@ class TargetModel(nn.Module):
         for i in hidden_layer_ids:
             if not -1 <= i < len(self.layers):
                 raise ValueError(f"hidden layer id {i} is out of range [-1, {len(self.layers) - 1}]")
-        mask = self.attention_mask(positions)
+        access = None if block_table is None else self.cache_access(block_table, positions, length)
         cos, sin = self.rotary(positions)
 
         x = self.embed_tokens(tokens)
         hidden = {-1: x} if -1 in hidden_layer_ids else {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, positions, rows)
+            x = layer(x, cos, sin, positions, access)
             if i in hidden_layer_ids:
                 hidden[i] = x
         if logits_at is not None:  # the vocabulary projection only where it is used

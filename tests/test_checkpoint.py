@@ -10,6 +10,7 @@ from dspark.checkpoint import load_drafter, save_drafter
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import DSparkDrafter
 from dspark.target import TargetModel
+from paging import paged_caches
 
 TARGET = TargetConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -36,10 +37,10 @@ def make_drafter(target=None, **overrides):
 def outputs(drafter):
     """Everything the decoder reads from a drafter: base logits, hidden, Markov bias, confidence."""
     g = torch.Generator().manual_seed(2)
-    drafter.setup_caches(2, 16)
-    drafter.append_context(torch.randn(2, 10, 64, generator=g), torch.arange(10).expand(2, 10))
+    table = paged_caches(drafter, [16, 16])
+    drafter.append_context(torch.randn(2, 10, 64, generator=g), torch.arange(10).expand(2, 10), table)
     anchor = torch.tensor([3, 5])
-    logits, hidden = drafter.forward_block(anchor, torch.tensor([6, 10]))
+    logits, hidden = drafter.forward_block(anchor, torch.tensor([6, 10]), table)
     prev = drafter.markov_head.markov_w1(anchor)[:, None].expand(-1, 3, -1)
     return logits, hidden, drafter.markov_head.bias(prev, hidden, None)[0], drafter.confidence(hidden, prev)
 

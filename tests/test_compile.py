@@ -16,9 +16,9 @@ from dspark import SamplingParams, SpeculativeDecoder
 from dspark.compile.cache import compiled_for, load_compile_cache, save_compile_cache
 from dspark.compile.runner import IDLE, StepRunner, default_buckets
 from dspark.compile.warmup import VARIANTS, warm_up
-from dspark.serve.engine import Engine
+from dspark.engine import Engine
 from test_decoder import target_greedy, tiny_pair
-from test_serve import drain
+from test_engine_paged import drain
 
 SAMPLED = SamplingParams(temperature=1.0, seed=7)
 
@@ -33,22 +33,26 @@ def test_bad_buckets_and_cpu_graphs_are_refused():
     target, drafter = tiny_pair()
     decoder = SpeculativeDecoder(target, drafter)
     with pytest.raises(ValueError, match="end at max_batch 4"):
-        StepRunner(decoder, 4, 32, buckets=[1, 2])
+        StepRunner(decoder, 4, 8, 33, 4, buckets=[1, 2])
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        StepRunner(decoder, 4, 32, cuda_graphs=True)
+        StepRunner(decoder, 4, 8, 33, 4, cuda_graphs=True)
     with pytest.raises(ValueError, match="not one of the buckets"):
-        StepRunner(decoder, 4, 32).step(3)
+        StepRunner(decoder, 4, 8, 33, 4).step(3)
 
 
 def prefilled_runner(k=4):
-    """A runner of 4 rows, rows 0..2 prefilled (row 1 greedy, the others sampled) and drafted."""
+    """A runner of 4 slots with blocks of 4, slots 0..2 prefilled (slot 1 greedy, the others sampled)
+    and drafted, each in 3 blocks of its own."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=k)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k)
-    runner = StepRunner(decoder, 4, 48)
+    runner = StepRunner(decoder, 4, 3, 10, 4)
     params = [SAMPLED, SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3), IDLE]
     runner.set_params(params)
-    first, start = decoder.prefill([[1, 2, 3], [5, 9, 11, 2], [4]], runner.sampling(3), [0, 1, 2])
-    runner.tokens[:3, 0], runner.start[:3] = first, start
+    for slot, prompt in enumerate([[1, 2, 3], [5, 9, 11, 2], [4]]):
+        blocks = [1 + 3 * slot, 2 + 3 * slot, 3 + 3 * slot]
+        runner.set_blocks(slot, blocks)
+        runner.tokens[slot, 0] = runner.prefill([prompt], [0], [blocks], [params[slot]])[0]
+        runner.start[slot] = len(prompt)
     runner.draft(range(4))
     return runner
 
@@ -83,13 +87,13 @@ def test_the_engine_steps_the_smallest_bucket_that_holds_its_requests(one_thread
     monkeypatch.setattr(engine.runner, "step", lambda batch: batches.append(batch) or step(batch))
     greedy = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
               for p, n in (([1, 2, 3], 3), ([5, 9], 30), ([4], 30))]
-    engine._admit(block=False)
-    engine._step()
-    assert batches == [4]  # rows 0..2: bucket 4
-    drain(engine, greedy[:1])  # row 0 leaves; rows 1, 2 still need bucket 4
+    engine.step()  # the three prompts: slots 0..2
+    engine.step()
+    assert batches == [4]  # slots 0..2: bucket 4
+    drain(engine, greedy[:1])  # slot 0 leaves; slots 1, 2 still need bucket 4
     assert batches[-1] == 4 and engine.slots[0] is None
     late = engine.submit([8, 8, 1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    engine._admit(block=False)  # into the lowest free slot, row 0
+    engine.step()  # into the lowest free slot, 0
     assert engine.slots[0] is late
     drain(engine, greedy + [late])
     for request, (prompt, n) in zip(greedy + [late], (([1, 2, 3], 3), ([5, 9], 30), ([4], 30), ([8, 8, 1], 5))):
@@ -107,10 +111,14 @@ def test_rows_that_leave_stop_counting_for_the_sampling_variant(one_thread):
     engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
     greedy = engine.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     sampled = engine.submit([4, 5], SamplingParams(temperature=1.0, max_tokens=3, seed=1, ignore_eos=True))
-    engine._admit(block=False)
-    assert not engine.runner.sampling(2).all_greedy
+    engine.step()
+
+    def all_greedy():
+        return engine.runner.sampling(slice(0, 2), engine.runner.params[:2]).all_greedy
+
+    assert not all_greedy()
     drain(engine, [sampled])
-    assert engine.slots[1] is None and engine.runner.sampling(2).all_greedy
+    assert engine.slots[1] is None and all_greedy()
     drain(engine, [greedy])
     assert greedy.result.tokens == target_greedy(target, [1, 2, 3], 20)
 
@@ -148,12 +156,14 @@ def test_after_the_warm_up_no_step_compiles_again(tmp_path):
     nothing. (That the compiled step decodes as the eager one: test_decoder.)"""
     torch._dynamo.reset()
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=3)
-    runner = StepRunner(SpeculativeDecoder(target, drafter, num_speculative_tokens=3, compile=True), 2, 32)
+    runner = StepRunner(SpeculativeDecoder(target, drafter, num_speculative_tokens=3, compile=True), 2, 9, 19, 4)
     timings = warm_up(runner)
     assert [(name, batch) for name, batch, _ in timings] == [(n, b) for n in VARIANTS for b in (1, 2)]
     assert save_compile_cache(tmp_path / "cache.bin", runner.tokens.device) > 0
     graphs = counters["stats"]["unique_graphs"]
-    runner.decoder.prefill([[1, 2, 3], [4]], runner.sampling(2), [0, 1])
+    for slot, prompt in enumerate([[1, 2, 3], [4]]):
+        runner.set_blocks(slot, [1 + slot, 3 + slot])
+        runner.prefill([prompt], [0], [[1 + slot, 3 + slot]], None)
     runner.start[:2] = torch.tensor([3, 1])
     for params in ([SamplingParams(temperature=0.0)] * 2, [IDLE, SAMPLED],
                    [SamplingParams(temperature=0.5, top_k=5, seed=1), IDLE]):
@@ -180,8 +190,8 @@ def test_cuda_graphs_serve_what_plain_steps_serve(compile):
                   SamplingParams(temperature=1.0, max_tokens=8, seed=7, ignore_eos=True),
                   SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=5, ignore_eos=True)]
         requests = [engine.submit(p, s) for p, s in zip(([1, 2, 3], [5, 9, 11], [4]), params)]
-        engine._admit(block=False)
-        engine._step()
+        engine.step()
+        engine.step()
         requests.append(engine.submit([8, 8, 1], SamplingParams(temperature=1.0, max_tokens=5, seed=11,
                                                                 ignore_eos=True)))
         drain(engine, requests)

@@ -17,9 +17,11 @@ from dspark.tokenizer import Tokenizer
 from stats import POWER, assert_differs, assert_matches, design, noncentrality, power
 
 
-def tiny_pair(vocab=16, architecture="llama", logit_std=0.15, block_size=4, markov_rank=8, seed=0):
+def tiny_pair(vocab=16, architecture="llama", logit_std=0.15, block_size=4, markov_rank=8, seed=0,
+              drafter_window=None):
     """A random target whose next-token laws have moderate entropy (an untied LM head with small
-    weights), and a random drafter sharing its embedding and head."""
+    weights), and a random drafter sharing its embedding and head (with a two-sided sliding window
+    over its context if `drafter_window`)."""
     torch.manual_seed(seed)
     config = TargetConfig(architecture=architecture, vocab_size=vocab, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -28,7 +30,7 @@ def tiny_pair(vocab=16, architecture="llama", logit_std=0.15, block_size=4, mark
     torch.nn.init.normal_(target.lm_head.weight, std=logit_std)
     drafter_config = DrafterConfig.for_target(config, num_hidden_layers=1, block_size=block_size,
                                               target_layer_ids=[0, 1], markov_rank=markov_rank,
-                                              mask_token_id=vocab - 1)
+                                              mask_token_id=vocab - 1, sliding_window=drafter_window)
     drafter = DSparkDrafter(drafter_config, embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
     return target, drafter
 
@@ -367,8 +369,9 @@ def test_forced_acceptance_accepts_exactly_n_per_step():
     assert result.accepted_per_position == [10, 10, 0, 0]
 
 
-def test_prefill_attention_keeps_cudnn_out_and_decode_steps_keep_torchs_choice(monkeypatch):
-    """cuDNN's attention plans every new shape anew; the prefill meets one per prompt length."""
+def test_prefill_attention_keeps_cudnn_out_and_decode_steps_run_no_sdpa(monkeypatch):
+    """cuDNN's attention plans every new shape anew; the prefill meets one per prompt length. A decode
+    step reads the cache through dspark::paged_attention, no SDPA."""
     target, drafter = tiny_pair(vocab=64)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=3)
     phase, cudnn_allowed = ["decode"], {"prefill": set(), "decode": set()}
@@ -388,7 +391,7 @@ def test_prefill_attention_keeps_cudnn_out_and_decode_steps_keep_torchs_choice(m
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_attention)
     monkeypatch.setattr(decoder, "prefill", recording_prefill)
     decoder.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
-    assert cudnn_allowed == {"prefill": {False}, "decode": {True}}
+    assert cudnn_allowed == {"prefill": {False}, "decode": set()}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the prefill
 
 
@@ -443,7 +446,7 @@ def test_an_eager_generate_frees_the_caches_and_the_target_runs_plainly_after_it
     with torch.no_grad():
         before, _ = target(ids, torch.arange(12).expand(2, 12))
     SpeculativeDecoder(target, drafter).generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=4))
-    assert target.max_seq_len is None and drafter.max_seq_len is None
+    assert target.kv_block_size is None and drafter.kv_block_size is None
     with torch.no_grad():
         after, _ = target(ids, torch.arange(12).expand(2, 12))
     torch.testing.assert_close(after, before, rtol=0, atol=0)
@@ -508,7 +511,7 @@ def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():
     for n in range(12):
         prompts = [[1 + i] * (2 + n + i) for i in range(1 + n % 2)]
         decoder.generate(prompts, SamplingParams(temperature=float(n % 2), max_tokens=3 + n, seed=n))
-    assert target.layers[0].kv_cache.k_cache.shape[::2] == (2, 64)  # 14 + 14 + 2 (K + 1) = 38 positions
+    assert target.layers[0].kv_cache.k_pool.shape[1] == 8  # 1 + 2 rows x 3 blocks of 16 (14 + 14 + 2 (K + 1)), to 8
     assert counters["stats"]["unique_graphs"] - graphs <= 6
 
 

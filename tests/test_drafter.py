@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.drafter import (DSparkDrafter, block_visible, context_visible, merged_block_attention,
                             partial_attention)
+from dspark.kv_cache import CacheAccess, PagedKVCache
+from paging import paged_caches
 
 TARGET = TargetConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -63,13 +65,12 @@ def reference_block(drafter, features, anchor, start):
 def test_forward_block_equals_deepspec_block_attention(window, block_size):
     drafter = make_drafter(window, block_size)
     features = make_features()
-    drafter.setup_caches(max_batch_size=5, max_seq_len=LENGTH + block_size)
-    rows = torch.tensor([3, 0, 4])
+    table = paged_caches(drafter, [LENGTH + block_size] * 3)
     # The cache holds all LENGTH positions: those at or after a row's start must not be seen.
-    drafter.append_context(features, torch.arange(LENGTH).expand(3, LENGTH), rows=rows)
+    drafter.append_context(features, torch.arange(LENGTH).expand(3, LENGTH), table)
     anchor, start = torch.tensor([7, 94, 0]), torch.tensor([1, 9, 16])
 
-    logits, hidden = drafter.forward_block(anchor, start, rows=rows)
+    logits, hidden = drafter.forward_block(anchor, start, table)
     assert logits.shape == (3, block_size, TARGET.vocab_size) and logits.dtype == torch.float32
     for b in range(3):
         want_logits, want_hidden = reference_block(drafter, features[b], int(anchor[b]), int(start[b]))
@@ -82,14 +83,14 @@ def test_append_context_in_chunks_equals_at_once():
     drafter = make_drafter(window=6)
     features, positions = make_features(), torch.arange(LENGTH).expand(3, LENGTH)
     anchor, start = torch.tensor([1, 2, 3]), torch.tensor([5, 11, 16])
-    drafter.setup_caches(3, LENGTH + 4)
-    drafter.append_context(features, positions)
-    at_once = drafter.forward_block(anchor, start)
+    table = paged_caches(drafter, [LENGTH + 4] * 3)
+    drafter.append_context(features, positions, table)
+    at_once = drafter.forward_block(anchor, start, table)
 
-    drafter.setup_caches(3, LENGTH + 4)
+    table = paged_caches(drafter, [LENGTH + 4] * 3, seed=1)
     for chunk in torch.arange(LENGTH).split([5, 1, 7, 3]):
-        drafter.append_context(features[:, chunk], positions[:, chunk])
-    for got, want in zip(drafter.forward_block(anchor, start), at_once):
+        drafter.append_context(features[:, chunk], positions[:, chunk], table)
+    for got, want in zip(drafter.forward_block(anchor, start, table), at_once):
         torch.testing.assert_close(got, want)
 
 
@@ -103,11 +104,11 @@ def test_forward_train_equals_forward_block_anchor_by_anchor(window):
     logits, hidden = drafter.forward_train(features, tokens, anchors)
     assert logits.shape == (2, 3, 4, TARGET.vocab_size)
 
-    drafter.setup_caches(2, LENGTH + 4)
-    drafter.append_context(features, torch.arange(LENGTH).expand(2, LENGTH))
+    table = paged_caches(drafter, [LENGTH + 4] * 2)
+    drafter.append_context(features, torch.arange(LENGTH).expand(2, LENGTH), table)
     for n in range(3):
         block_logits, block_hidden = drafter.forward_block(tokens.gather(1, anchors[:, n:n + 1])[:, 0],
-                                                           anchors[:, n])
+                                                           anchors[:, n], table)
         torch.testing.assert_close(logits[:, n], block_logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(hidden[:, n], block_hidden, rtol=1e-4, atol=1e-5)
 
@@ -134,8 +135,13 @@ def test_lse_merged_block_attention_equals_dense_masked_attention(window):
     to_context = context_visible(key_pos, query_pos, start[:, None], window)
     to_block = block_visible(K, window, q.device)
 
-    got = merged_block_attention(q, k, v, context_k=context_k, context_v=context_v,
-                                 context_visible=to_context, block_visible=to_block, scale=D ** -0.5)
+    cache = PagedKVCache(1 + 3 * 3, 4, kv_heads, D, torch.float32, torch.device("cpu"))  # rows of 3 blocks
+    table = torch.arange(1, 10, dtype=torch.int32).view(3, 3).flip(1)
+    positions = torch.arange(S).expand(batch, S)
+    cache.write(CacheAccess.gathered(table, positions, 4, S).slots, context_k, context_v)
+    lo = torch.zeros_like(query_pos) if window is None else (query_pos - window + 1).clamp_min(0)
+    access = CacheAccess(table, lo=lo, hi=start[:, None].expand(batch, K))
+    got = merged_block_attention(q, k, v, context=cache, access=access, block_visible=to_block, scale=D ** -0.5)
     to_block = torch.ones(1, K, K, dtype=torch.bool) if to_block is None else to_block
     mask = torch.cat([to_context.expand(batch, K, S), to_block.expand(batch, K, K)], -1)
     keys = torch.cat([context_k, k], 2).repeat_interleave(2, 1)
@@ -155,17 +161,16 @@ def test_partial_attention_of_a_query_that_sees_nothing_is_empty():
 def test_compiled_step_matches_eager(window):
     drafter = make_drafter(window)
     features, positions = make_features(), torch.arange(LENGTH).expand(3, LENGTH)
-    anchor, start, rows = torch.tensor([4, 5, 6]), torch.tensor([3, 8, 16]), torch.tensor([2, 1, 0])
+    anchor, start = torch.tensor([4, 5, 6]), torch.tensor([3, 8, 16])
 
-    def step(features, positions, anchor, start, rows):
-        drafter.append_context(features, positions, rows)
-        return drafter.forward_block(anchor, start, rows)
+    def step(features, positions, anchor, start, table):
+        drafter.append_context(features, positions, table)
+        return drafter.forward_block(anchor, start, table)
 
     with torch.no_grad():
-        drafter.setup_caches(3, LENGTH + 4)
-        want = step(features, positions, anchor, start, rows)
-        drafter.setup_caches(3, LENGTH + 4)
-        got = torch.compile(step, fullgraph=True, backend="aot_eager")(features, positions, anchor, start, rows)
+        want = step(features, positions, anchor, start, paged_caches(drafter, [LENGTH + 4] * 3))
+        table = paged_caches(drafter, [LENGTH + 4] * 3, seed=1)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(features, positions, anchor, start, table)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
 
@@ -188,7 +193,7 @@ def test_confidence_head_reads_hidden_and_markov_embedding():
 
 def test_block_needs_caches():
     with pytest.raises(RuntimeError, match="setup_caches"):
-        make_drafter().forward_block(torch.tensor([1]), torch.tensor([3]))
+        make_drafter().forward_block(torch.tensor([1]), torch.tensor([3]), torch.ones(1, 1, dtype=torch.int32))
 
 
 @pytest.mark.gpu
@@ -196,17 +201,16 @@ def test_block_needs_caches():
 def test_cuda_compiled_step_matches_cpu(window):
     drafter = make_drafter(window)
     inputs = (make_features(), torch.arange(LENGTH).expand(3, LENGTH), torch.tensor([4, 5, 6]),
-              torch.tensor([3, 8, 16]), torch.tensor([2, 1, 0]))
+              torch.tensor([3, 8, 16]))
 
-    def step(features, positions, anchor, start, rows):
-        drafter.append_context(features, positions, rows)
-        return drafter.forward_block(anchor, start, rows)
+    def step(features, positions, anchor, start, table):
+        drafter.append_context(features, positions, table)
+        return drafter.forward_block(anchor, start, table)
 
     with torch.no_grad():
-        drafter.setup_caches(3, LENGTH + 4)
-        want = step(*inputs)
-        drafter.cuda().setup_caches(3, LENGTH + 4)
-        got = torch.compile(step, fullgraph=True)(*(t.cuda() for t in inputs))
+        want = step(*inputs, paged_caches(drafter, [LENGTH + 4] * 3))
+        table = paged_caches(drafter.cuda(), [LENGTH + 4] * 3)
+        got = torch.compile(step, fullgraph=True)(*(t.cuda() for t in inputs), table.cuda())
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
 

@@ -30,6 +30,7 @@ from transformers' by at most 7e-5 (float32 rounding).
 import torch
 
 from dspark.loading import default_gguf_path, load_target
+from paging import paged_caches
 
 PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
           "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -46,14 +47,14 @@ CONTINUATION = [504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2, 1, 9690, 198, 2,
 @torch.inference_mode()
 def test_greedy_decoding_matches_transformers():
     model = load_target(default_gguf_path())
-    model.setup_caches(max_batch_size=1, max_seq_len=64)
-    logits, _ = model(torch.tensor([PROMPT_IDS]), torch.arange(len(PROMPT_IDS))[None])
+    table = paged_caches(model, [64], block_size=16)
+    logits, _ = model(torch.tensor([PROMPT_IDS]), torch.arange(len(PROMPT_IDS))[None], table, length=len(PROMPT_IDS))
     top = logits[0, -1].topk(5)
     assert top.indices.tolist() == TOP5_IDS
     torch.testing.assert_close(top.values, torch.tensor(TOP5_LOGITS), atol=1e-3, rtol=0)
 
     new = [logits[0, -1].argmax().item()]
     for position in range(len(PROMPT_IDS), len(PROMPT_IDS) + len(CONTINUATION) - 1):
-        logits, _ = model(torch.tensor([[new[-1]]]), torch.tensor([[position]]))
+        logits, _ = model(torch.tensor([[new[-1]]]), torch.tensor([[position]]), table)
         new.append(logits[0, -1].argmax().item())
     assert new == CONTINUATION

@@ -1,5 +1,6 @@
-"""TargetModel: the cached forward (prefill, decode, ragged batches, rewrites) equals the plain
-causal forward; hidden-layer outputs are the residual stream; it compiles with fullgraph."""
+"""TargetModel: the forward over paged caches (prefill chunks, decode, ragged batches whose blocks lie
+anywhere in the pool, rewrites) equals the plain causal forward; hidden-layer outputs are the
+residual stream; it compiles with fullgraph."""
 import pytest
 import torch
 import torch._dynamo.testing
@@ -7,6 +8,7 @@ import torch._dynamo.testing
 from dspark.config import TargetConfig
 from dspark.layers import project_vocab, rope_inv_freq
 from dspark.target import TargetModel
+from paging import paged_caches
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -51,12 +53,14 @@ def test_prefill_then_decode_matches_full_forward(variant):
     ids = (-1, 0, 2)
     ref_logits, ref_hidden = full_forward(model, tokens, ids)
 
-    model.setup_caches(max_batch_size=1, max_seq_len=32)
-    logits, hidden = model(tokens[None, :5], torch.arange(5)[None], hidden_layer_ids=ids)
-    torch.testing.assert_close(logits[0], ref_logits[:5], atol=TOL, rtol=TOL)
-    torch.testing.assert_close(hidden[0], ref_hidden[:5], atol=TOL, rtol=TOL)
+    table = paged_caches(model, [32])
+    logits, hidden = model(tokens[None, :3], torch.arange(3)[None], table, length=3, hidden_layer_ids=ids)
+    torch.testing.assert_close(logits[0], ref_logits[:3], atol=TOL, rtol=TOL)
+    later, hidden_later = model(tokens[None, 3:5], torch.arange(3, 5)[None], table, length=5, hidden_layer_ids=ids)
+    torch.testing.assert_close(later[0], ref_logits[3:5], atol=TOL, rtol=TOL)  # a second prompt chunk
+    torch.testing.assert_close(hidden_later[0], ref_hidden[3:5], atol=TOL, rtol=TOL)
     for t in range(5, 12):
-        logits, hidden = model(tokens[None, t:t + 1], torch.tensor([[t]]), hidden_layer_ids=ids)
+        logits, hidden = model(tokens[None, t:t + 1], torch.tensor([[t]]), table, hidden_layer_ids=ids)
         torch.testing.assert_close(logits[0, 0], ref_logits[t], atol=TOL, rtol=TOL)
         torch.testing.assert_close(hidden[0, 0], ref_hidden[t], atol=TOL, rtol=TOL)
 
@@ -74,15 +78,15 @@ def test_causal_forward_does_not_see_later_tokens():
 
 
 @torch.no_grad()
-def test_ragged_batch_with_rows_matches_full_forward():
+def test_ragged_batch_of_paged_rows_matches_full_forward():
     model = make_model(architecture="qwen3")
-    seqs = {2: torch.randint(0, 97, (11,)), 0: torch.randint(0, 97, (8,))}  # cache row -> tokens
+    seqs = {2: torch.randint(0, 97, (11,)), 0: torch.randint(0, 97, (8,))}  # request -> tokens
     refs = {row: full_forward(model, s)[0] for row, s in seqs.items()}
-    model.setup_caches(max_batch_size=3, max_seq_len=16)
+    table = paged_caches(model, [16, 16, 16])
     prompt_len = {2: 6, 0: 3}
-    for row, s in seqs.items():  # prefill each request into its own row
+    for row, s in seqs.items():  # prefill each request into its own blocks
         n = prompt_len[row]
-        logits, _ = model(s[None, :n], torch.arange(n)[None], rows=torch.tensor([row]))
+        logits, _ = model(s[None, :n], torch.arange(n)[None], table[row:row + 1], length=n)
         torch.testing.assert_close(logits[0], refs[row][:n], atol=TOL, rtol=TOL)
 
     rows = torch.tensor([2, 0])
@@ -90,7 +94,7 @@ def test_ragged_batch_with_rows_matches_full_forward():
     for step in (2, 1, 1, 1):
         pos = torch.stack([torch.arange(prompt_len[r], prompt_len[r] + step) for r in rows.tolist()])
         tokens = torch.stack([seqs[r][p] for r, p in zip(rows.tolist(), pos)])
-        logits, _ = model(tokens, pos, rows=rows)
+        logits, _ = model(tokens, pos, table[rows])
         for i, r in enumerate(rows.tolist()):
             torch.testing.assert_close(logits[i], refs[r][pos[i]], atol=TOL, rtol=TOL)
             prompt_len[r] += step
@@ -101,14 +105,14 @@ def test_rejected_tokens_are_masked_then_overwritten():
     model = make_model()
     accepted = torch.randint(0, 97, (9,))
     ref = full_forward(model, accepted)[0]
-    model.setup_caches(max_batch_size=1, max_seq_len=16)
-    model(accepted[None, :5], torch.arange(5)[None])
+    table = paged_caches(model, [16])
+    model(accepted[None, :5], torch.arange(5)[None], table, length=5)
     # a draft of 4 tokens at positions 5..8 of which none is accepted: its k/v stay in the cache
-    model(torch.randint(0, 97, (1, 4)), torch.arange(5, 9)[None])
+    model(torch.randint(0, 97, (1, 4)), torch.arange(5, 9)[None], table)
     # the accepted token at 5 must not see the stale entries at 6..8, and rewrites them
-    logits, _ = model(accepted[None, 5:6], torch.tensor([[5]]))
+    logits, _ = model(accepted[None, 5:6], torch.tensor([[5]]), table)
     torch.testing.assert_close(logits[0, 0], ref[5], atol=TOL, rtol=TOL)
-    logits, _ = model(accepted[None, 6:9], torch.arange(6, 9)[None])
+    logits, _ = model(accepted[None, 6:9], torch.arange(6, 9)[None], table)
     torch.testing.assert_close(logits[0], ref[6:9], atol=TOL, rtol=TOL)
 
 
@@ -191,9 +195,9 @@ def test_logits_at_projects_only_the_chosen_tokens():
 @torch.no_grad()
 def test_dtype_of_caches_logits_and_hidden():
     model = make_model().to(torch.bfloat16)
-    model.setup_caches(max_batch_size=2, max_seq_len=8)
-    assert model.layers[0].kv_cache.k_cache.shape == (2, 2, 8, 8)
-    assert model.layers[0].kv_cache.k_cache.dtype == torch.bfloat16
+    model.setup_caches(num_blocks=5, block_size=4)
+    assert model.layers[0].kv_cache.k_pool.shape == (2, 5, 4, 8)  # [H_kv, blocks, block size, head_dim]
+    assert model.layers[0].kv_cache.v_pool.dtype == torch.bfloat16
     assert model.rotary.inv_freq.dtype == torch.float32  # RoPE angles stay float32
     tokens, positions = torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3)
     logits, hidden = model(tokens, positions, hidden_layer_ids=(1,))
@@ -208,20 +212,19 @@ def test_dtype_of_caches_logits_and_hidden():
 def test_compiled_fullgraph_matches_eager_without_recompiling():
     eager = make_model(architecture="qwen3")
     compiled_model = make_model_like(eager)
-    for m in (eager, compiled_model):
-        m.setup_caches(max_batch_size=2, max_seq_len=16)
+    tables = [paged_caches(m, [16, 16]) for m in (eager, compiled_model)]
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     step = torch.compile(compiled_model, fullgraph=True, backend=counter, dynamic=False)
     tokens = torch.randint(0, 97, (2, 10))
-    rows = torch.tensor([1, 0])
 
-    def run(model, t0, t1, offsets):
+    def run(model, table, t0, t1, offsets):
         pos = torch.arange(t0, t1)[None] + offsets[:, None]
-        return model(tokens[:, t0:t1], pos, rows=rows, hidden_layer_ids=(0, 2))
+        length = int(pos.max()) + 1 if t0 == 0 else None  # the prompt chunk is gathered, decode steps paged
+        return model(tokens[:, t0:t1], pos, table, length=length, hidden_layer_ids=(0, 2))
 
     offsets = torch.tensor([0, 2])  # ragged: the second row is two tokens further along
     for t0, t1 in ((0, 4), (4, 5), (5, 6), (6, 7), (7, 8)):
-        want, got = run(eager, t0, t1, offsets), run(step, t0, t1, offsets)
+        want, got = run(eager, tables[0], t0, t1, offsets), run(step, tables[1], t0, t1, offsets)
         torch.testing.assert_close(got[0], want[0], atol=TOL, rtol=TOL)
         torch.testing.assert_close(got[1], want[1], atol=TOL, rtol=TOL)
     assert counter.frame_count == 2  # one graph for the prefill shape, one for all decode steps
@@ -231,8 +234,7 @@ def test_dropped_caches_give_plain_causal_forwards_again():
     model = make_model()
     tokens = torch.randint(0, model.config.vocab_size, (6,))
     want, _ = full_forward(model, tokens)
-    model.setup_caches(1, 4)  # too short for the 6 tokens below: a forward through it would fail
-    model(tokens[None, 3:], torch.arange(3)[None])
+    model(tokens[None, 3:], torch.arange(3)[None], paged_caches(model, [4]), length=3)
     model.drop_caches()
     torch.testing.assert_close(full_forward(model, tokens)[0], want)
 
@@ -251,7 +253,7 @@ def test_vocabulary_projection_pads_few_rows_on_cpu_and_gives_the_plain_product(
 @torch.no_grad()
 def test_cuda_causal_forward_matches_the_masked_cached_one_eager_and_compiled():
     """Training's forward on CUDA (no caches: SDPA's causal kernels, grouped heads, no mask) in
-    bfloat16, eager and compiled, is as close to the float32 cached forward (a dense mask over the
+    bfloat16, eager and compiled, is as close to the float32 cached forward (a mask over the gathered
     cache) as the bfloat16 cached forward is: the two paths differ by rounding only. A wrong causal
     mask or head grouping misses by the size of the outputs themselves."""
     model = make_model(architecture="qwen3", head_dim=64).to("cuda")
@@ -259,9 +261,8 @@ def test_cuda_causal_forward_matches_the_masked_cached_one_eager_and_compiled():
     positions = torch.arange(70, device="cuda").expand(3, 70)
 
     def outputs(model, cached=False):  # logits and the two hidden states, flattened into one vector
-        if cached:
-            model.setup_caches(max_batch_size=3, max_seq_len=128)
-        logits, hidden = model(tokens, positions, hidden_layer_ids=(0, 2))
+        table = paged_caches(model, [70] * 3).cuda() if cached else None
+        logits, hidden = model(tokens, positions, table, length=70 if cached else None, hidden_layer_ids=(0, 2))
         return torch.cat([t.float().flatten() for t in (logits, *hidden)])
 
     bf16 = make_model_like(model).to("cuda", torch.bfloat16)

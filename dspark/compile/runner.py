@@ -1,28 +1,30 @@
-"""The decode step over a static batch of cache rows, as a server runs it: at the smallest batch-size
-bucket that holds the rows in use, and on CUDA replayed from a CUDA graph per (bucket, sampling
-variant).
+"""The decode step over a static batch of slots, as the engine runs it: at the smallest batch-size
+bucket that holds the slots in use, and on CUDA replayed from a CUDA graph per (bucket, sampling
+variant); and the prompt chunks of a step, eager.
 
-Rows are the target's and the drafter's cache rows. A step over a bucket of b rows reads and writes
-rows 0 .. b-1 only (the models' default rows, views of their caches), so a server that fills its low
-rows first runs a small bucket while few requests are in flight. The step's inputs live in buffers
-that never move (tokens, start, draft_probs and the sampling tensors, updated in place), so a CUDA
-graph replays on the addresses it was captured with.
+A slot is a row of the step's static tensors: tokens [S, K+1] (anchor, drafts), start [S], the
+proposals draft_probs [S, K, V], the sampling tensors and the block table [S, M] that says where the
+slot's request keeps its keys and values in the models' paged caches. A step over a bucket of b slots
+reads and writes slots 0 .. b-1 only, so an engine that fills its low slots first runs a small bucket
+while few requests are in flight. A slot no request uses has a block table of zeros (the null block),
+so its step writes and reads nothing another request holds. The tensors never move, so a CUDA graph
+replays on the addresses it was captured with. An eager step without graphs (the CPU's) is given the
+block table trimmed to the widest row of its bucket, so its attention gathers only the blocks the
+rows hold.
 
 A graph is captured at the first step of its key (dspark.decoder.capture_step: two warm-up runs,
 then the recording) and replayed from then on; the graphs share one memory pool.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from dspark.decoder import SpeculativeDecoder, capture_step
+from dspark.decoder import SAMPLING_FIELDS, SpeculativeDecoder, capture_step, sampling_rows
 from dspark.sampling import SamplingParams, SamplingTensors
 
-IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a row no request uses
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a slot no request uses
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -31,12 +33,12 @@ def default_buckets(max_batch: int) -> list[int]:
 
 
 class StepRunner:
-    """Runs `decoder`'s step over up to `max_batch` cache rows of `max_model_len` tokens (plus the
-    K + 2 a last step may write past it). cuda_graphs: replay the step from CUDA graphs (default:
-    on a CUDA device)."""
+    """Runs `decoder`'s step over up to `max_batch` slots whose requests hold up to `max_blocks`
+    blocks each, in paged caches of `num_blocks` blocks of `block_size` positions that it sets up on
+    the decoder's models. cuda_graphs: replay the step from CUDA graphs (default: on a CUDA device)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_model_len: int,
-                 buckets: list[int] | None = None, cuda_graphs: bool | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, max_batch: int, max_blocks: int, num_blocks: int,
+                 block_size: int, buckets: list[int] | None = None, cuda_graphs: bool | None = None):
         self.decoder, self.max_batch = decoder, max_batch
         self.buckets = sorted(buckets or default_buckets(max_batch))
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
@@ -46,13 +48,14 @@ class StepRunner:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the decoder is on {device}")
-        cache_len = max_model_len + k + 2
-        decoder.target.setup_caches(max_batch, cache_len)
+        decoder.target.setup_caches(num_blocks, block_size)
         if decoder.drafter is not None:
-            decoder.drafter.setup_caches(max_batch, cache_len)
+            decoder.drafter.setup_caches(num_blocks, block_size)
         self.tokens = torch.zeros(max_batch, k + 1, dtype=torch.long, device=device)  # [anchor, drafts]
         self.start = torch.zeros(max_batch, dtype=torch.long, device=device)  # the anchor's position
         self.draft_probs = torch.zeros(max_batch, k, decoder.target.config.vocab_size, device=device)
+        self.block_table = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.widths = [0] * max_batch  # blocks listed in each slot's row of block_table
         self.params = [IDLE] * max_batch
         self._sampling = SamplingTensors.from_params(self.params, device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
@@ -65,52 +68,81 @@ class StepRunner:
         return self.decoder.target.layers[0].kv_cache, drafter and drafter.layers[0].context_cache
 
     def _check_caches(self) -> None:
-        """Refuses to run on caches other than the ones set up here: the rows in flight are in those."""
+        """Refuses to run on caches other than the ones set up here: the requests in flight are in those."""
         if any(now is not ours for now, ours in zip(self._model_caches(), self.caches)):
             raise RuntimeError("the models' caches are no longer this StepRunner's: something set up others on "
                                "the same target or drafter (a generate call?), and the requests in flight lost "
                                "their context; serve and generate with separate model instances")
 
-    def bucket(self, rows: int) -> int:
-        """The smallest bucket that holds rows 0 .. rows-1."""
-        return next(b for b in self.buckets if b >= rows)
+    def bucket(self, slots: int) -> int:
+        """The smallest bucket that holds slots 0 .. slots-1."""
+        return next(b for b in self.buckets if b >= slots)
+
+    def set_blocks(self, slot: int, blocks: Sequence[int]) -> None:
+        """The slot's row of the block table: its request's blocks (none: the null block)."""
+        if len(blocks) == self.widths[slot] and blocks:
+            return  # a request's blocks only grow: same count, same blocks
+        row = torch.zeros(self.block_table.shape[1], dtype=torch.int32)
+        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_table[slot] = row.to(self.block_table.device, non_blocking=True)
+        self.widths[slot] = len(blocks)
 
     def set_params(self, params: list[SamplingParams]) -> None:
-        """Every row's sampling parameters ([max_batch]; IDLE for rows no request uses)."""
+        """Every slot's sampling parameters ([max_batch]; IDLE for slots no request uses)."""
         new = SamplingTensors.from_params(params, self.tokens.device)
         for name in SAMPLING_FIELDS:
             getattr(self._sampling, name).copy_(getattr(new, name))
         self.params = list(params)
 
-    def sampling(self, batch: int) -> SamplingTensors:
-        """The sampling tensors of rows 0 .. batch-1 (views) with their flags."""
-        return self._sampling_of(slice(0, batch), self.params[:batch])
+    def sampling(self, index: slice | torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
+        """The sampling tensors of these slots (views or copies) with their parameters' flags."""
+        rows = sampling_rows(self._sampling, index)
+        rows.uses_filters = any(p.uses_filters for p in params)
+        rows.all_greedy = all(p.greedy for p in params)
+        return rows
 
-    def _sampling_of(self, index: slice | torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
-        return dataclasses.replace(self._sampling, **{n: getattr(self._sampling, n)[index] for n in SAMPLING_FIELDS},
-                                   uses_filters=any(p.uses_filters for p in params),
-                                   all_greedy=all(p.greedy for p in params))
+    def _table(self, batch: int) -> torch.Tensor:
+        """Slots 0 .. batch-1's block table: whole for a compiled step or a CUDA graph (static shapes),
+        else as wide as its widest row."""
+        if self.cuda_graphs or self.decoder.compiled:
+            return self.block_table[:batch]
+        return self.block_table[:batch, :max(1, max(self.widths[:batch]))]
 
-    def draft(self, rows: Sequence[int]) -> None:
-        """Draws the drafts of these rows from their anchors (after their admission); the other
-        rows' drafts and proposals stay as they are."""
+    def draft(self, slots: Sequence[int]) -> None:
+        """Draws the drafts of these slots from their anchors (after their admission); the other
+        slots' drafts and proposals stay as they are."""
         self._check_caches()
-        index = torch.tensor(list(rows), device=self.tokens.device)
-        sampling = self._sampling_of(index, [self.params[row] for row in rows])
+        index = torch.tensor(list(slots), device=self.tokens.device)
+        sampling = self.sampling(index, [self.params[slot] for slot in slots])
+        table = self.block_table[index, :max(1, max(self.widths[slot] for slot in slots))]
         self.tokens[index, 1:] = self.decoder.draft(self.tokens[index, 0], self.start[index], self.draft_probs,
-                                                    sampling, rows=index)
+                                                    sampling, table, slots=index)
+
+    def prefill(self, tokens: list[list[int]], begins: list[int], blocks: list[list[int]],
+                params: list[SamplingParams] | None) -> torch.Tensor | None:
+        """One chunk of each of some requests' prompts, all of one length (SpeculativeDecoder.prefill):
+        tokens [n][L], each at positions begins[i] .. begins[i]+L-1, its request's blocks; with
+        `params` (the chunks end their prompts), the requests' first tokens [n]."""
+        self._check_caches()
+        device = self.tokens.device
+        table = torch.zeros(len(blocks), max(map(len, blocks)), dtype=torch.int32)
+        for row, held in zip(table, blocks):
+            row[:len(held)] = torch.tensor(held, dtype=torch.int32)
+        sampling = None if params is None else SamplingTensors.from_params(params, device)
+        return self.decoder.prefill(torch.tensor(tokens, device=device), begins, table.to(device), sampling)
 
     def step(self, batch: int) -> tuple[torch.Tensor, ...]:
-        """One step of rows 0 .. batch-1 (a bucket) -> emitted [b, K+1], num_accepted [b], next
+        """One step of slots 0 .. batch-1 (a bucket) -> emitted [b, K+1], num_accepted [b], next
         tokens [b, K+1], next start [b] (see SpeculativeDecoder._step). It leaves tokens and start
         as they are; on CUDA graphs the outputs are the graph's and hold until the next step."""
         if batch not in self.buckets:
             raise ValueError(f"batch {batch} is not one of the buckets {self.buckets}")
         self._check_caches()
-        args = (self.tokens[:batch], self.start[:batch], self.draft_probs[:batch], self.sampling(batch))
+        args = (self.tokens[:batch], self.start[:batch], self.draft_probs[:batch],
+                self.sampling(slice(0, batch), self.params[:batch]), self._table(batch))
         if not self.cuda_graphs:
             return self.decoder.step(*args)
-        key = (batch, args[-1].all_greedy, args[-1].uses_filters)
+        key = (batch, args[3].all_greedy, args[3].uses_filters)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
         graph, outputs = self.graphs[key]

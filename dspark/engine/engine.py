@@ -1,0 +1,317 @@
+"""The serving engine: requests in, tokens out, over the models' paged KV caches.
+
+`run()` is the engine's one host loop (in a thread of its own); each `step()` is one iteration:
+1. the scheduler (dspark.engine.scheduler) picks the decoding requests and the prompt chunks of this
+   iteration, growing or preempting to find their KV blocks;
+2. one decode step runs every decoding request: the target verifies its K drafts and the drafter
+   drafts the next K (dspark.compile.runner's StepRunner: a static batch of slots, bucketed, replayed
+   from CUDA graphs), and the emitted tokens go to their requests, cut at their stops;
+3. the prompt chunks run (up to --max-num-batched-tokens prompt tokens per iteration, so a long
+   prompt enters over several iterations while the decoding requests keep stepping); a request whose
+   prompt is complete draws its first token, takes a free slot and drafts its first block.
+
+A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn at
+submission when the request has none), so its output does not depend on its slot, its blocks or the
+other requests in the batch, as far as the arithmetic does not: on the CPU it does not (tested); on
+CUDA the rounding can change with the bucket's size (cuBLAS picks its kernels by shape, and small
+batches add the Markov bias inside the drafting step), so a near tie can break another way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import threading
+import time
+from itertools import groupby
+
+import torch
+
+from dspark.compile.runner import IDLE, StepRunner
+from dspark.decoder import SpeculativeDecoder
+from dspark.engine.kv_blocks import BlockPool
+from dspark.engine.request import Request, Status
+from dspark.engine.scheduler import Chunk, Scheduler
+from dspark.engine.stats import EngineStats
+from dspark.kv_cache import KV_BLOCK_SIZE, kv_cache_blocks
+from dspark.output import GenerationResult
+from dspark.sampling import MAX_SEED, SamplingParams
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}  # prompt tokens per iteration (bench/prefill.py)
+
+
+class EngineStopped(RuntimeError):
+    """The engine has stopped (shut down, or a step failed): it takes no more requests."""
+
+
+class Engine:
+    """Runs `decoder` over requests; submit() from any thread, run() in one thread.
+
+    max_num_seqs (alias max_batch): requests running at once (decode slots); max_model_len: prompt +
+    completion tokens per request; block_size: positions per KV block; num_blocks: the KV cache's
+    blocks (default: sized by kv_cache_blocks from gpu_memory_utilization or kv_cache_memory GiB);
+    max_num_batched_tokens: prompt tokens per iteration; enable_prefix_caching: reuse the cached
+    blocks of a prompt's prefix; cuda_graphs: replay the decode step from CUDA graphs (default on CUDA).
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 cuda_graphs: bool | None = None, *, max_batch: int | None = None, block_size: int = KV_BLOCK_SIZE,
+                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory: float | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True):
+        if None not in (max_num_seqs, max_batch) and max_num_seqs != max_batch:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and its alias max_batch={max_batch} disagree")
+        max_num_seqs = next((n for n in (max_num_seqs, max_batch) if n is not None), 8)
+        config = decoder.target.config
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
+        if not 1 <= self.max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [1, {config.max_position_embeddings}], "
+                             f"got {self.max_model_len}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if kv_cache_memory is not None and not kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {kv_cache_memory}")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(decoder.device.type, 2048)
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if num_blocks is None:
+            num_blocks = kv_cache_blocks(decoder.target, decoder.drafter, block_size, gpu_memory_utilization,
+                                         kv_cache_memory)
+        self.decoder, self.max_num_seqs = decoder, max_num_seqs
+        lookahead = decoder.k + 1  # the positions a step writes from its anchor on
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        longest = self.pool.blocks_for(self.max_model_len + lookahead)
+        if longest > num_blocks - 1:
+            raise ValueError(f"the KV cache holds {(num_blocks - 1) * block_size} tokens ({num_blocks - 1} blocks of "
+                             f"{block_size}), less than one request of max_model_len {self.max_model_len} needs "
+                             f"({longest * block_size} with the step's {lookahead} positions): give the cache more "
+                             f"memory or lower max_model_len")
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead)
+        self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
+        self.slots: list[Request | None] = [None] * max_num_seqs
+        self.incoming: queue.Queue[Request | None] = queue.Queue()  # from submit(), for the engine's thread
+        self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()  # submit() queues nothing once `stopped` is set under it
+
+    @property
+    def capacity(self) -> int:
+        """The tokens the KV cache holds."""
+        return (self.pool.num_blocks - 1) * self.pool.block_size
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, prompt: list[int], params: SamplingParams, events=None) -> Request:
+        """Queues a request; raises ValueError (naming the value) for one the engine cannot serve,
+        EngineStopped once the engine has stopped. `events`: what receives the request's events
+        (anything with put(item), called on the engine's thread); a new queue.Queue by default."""
+        self.decoder.check_prompt(prompt)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
+                             f"maximum model length {self.max_model_len} (the KV cache holds {self.capacity} "
+                             f"tokens in all)")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=random.SystemRandom().randrange(MAX_SEED))
+        request = Request(list(prompt), params, result=GenerationResult(accepted_per_position=[0] * self.decoder.k),
+                          events=queue.Queue() if events is None else events)
+        request.stop = self.decoder.stop_condition(params, prompt)
+        with self.lock:
+            if self.stopped.is_set():
+                raise EngineStopped("the engine has stopped")
+            self.incoming.put(request)
+        return request
+
+    def num_running(self) -> int:
+        """Requests holding KV blocks (prefilling or decoding) whose client is still there."""
+        return sum(not r.cancelled for r in self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        """Requests waiting for KV blocks or a slot (preempted ones included) whose client is still there."""
+        with self.incoming.mutex:
+            incoming = [r for r in self.incoming.queue if r is not None]
+        return sum(not r.cancelled for r in [*incoming, *self.scheduler.waiting])
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        self.incoming.put(None)  # wakes run()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """Steps until shutdown(), then every request in flight or waiting receives EngineStopped. If
+        a prefill fails, the requests it was for receive its exception and the others go on; if a
+        decode step fails, every request receives it and the engine stops (raising it)."""
+        try:
+            while not self.stopped.is_set():
+                self._take_incoming(block=not (self.scheduler.running or self.scheduler.waiting))
+                self.step()
+        except Exception as error:
+            self._fail_pending(error)
+            raise
+        self._fail_pending(EngineStopped("the engine was shut down"))
+
+    def step(self) -> None:
+        """One iteration: schedule, one decode step, this iteration's prompt chunks."""
+        self._take_incoming(block=False)
+        self._drop_cancelled()
+        plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            if request.slot is not None:
+                self._vacate(request)
+        if plan.decode:
+            self._decode(plan.decode)
+        ready = []
+        for _, chunks in groupby(sorted(plan.prefill, key=Chunk.size), key=Chunk.size):
+            ready += self._prefill(list(chunks))
+        if ready:  # slots in admission order
+            order = {chunk.request: i for i, chunk in enumerate(plan.prefill)}
+            self._start_decoding(sorted(ready, key=order.__getitem__))
+
+    def _take_incoming(self, block: bool) -> None:
+        """Moves submitted requests to the scheduler (waiting for one when `block`)."""
+        while True:
+            try:
+                request = self.incoming.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if request is not None:
+                self.scheduler.add(request)
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Stops taking requests and hands `error` to every request in flight or waiting (each counted
+        as aborted)."""
+        with self.lock:
+            self.stopped.set()
+        self._take_incoming(block=False)
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._count_finished("abort")
+            request.events.put(error)
+            self.scheduler.finish(request)
+        self.slots = [None] * self.max_num_seqs
+
+    def _drop_cancelled(self) -> None:
+        """Finishes, as aborted, the requests whose client has left: their blocks and slots are freed
+        and their handlers let go now."""
+        for request in [r for r in [*self.scheduler.running, *self.scheduler.waiting] if r.cancelled]:
+            request.result.finish_reason = "abort"
+            self._finish(request)
+
+    def _decode(self, requests: list[Request]) -> None:
+        runner = self.runner
+        for request in requests:
+            runner.set_blocks(request.slot, request.blocks)
+        batch = runner.bucket(1 + max(r.slot for r in requests))
+        emitted, num_accepted, next_tokens, next_start = runner.step(batch)
+        emitted, num_accepted = emitted.tolist(), num_accepted.tolist()  # one copy each
+        stats, k = self.stats, self.decoder.k
+        stats.steps += 1
+        for request in requests:
+            slot = request.slot
+            taken, accepted = request.stop.take_step(request.result, emitted[slot], num_accepted[slot])
+            for position in range(accepted):
+                stats.accepted_per_position[position] += 1
+            if k:
+                stats.drafts += 1
+                stats.draft_tokens += k
+                stats.accepted_tokens += accepted
+            self._hand_out(request, taken)
+            if request.status is Status.DECODING:
+                self.scheduler.computed(request, request.num_computed + num_accepted[slot] + 1)
+        in_use = torch.tensor([r is not None for r in self.slots[:batch]], device=next_start.device)
+        runner.tokens[:batch] = torch.where(in_use[:, None], next_tokens, runner.tokens[:batch])  # the rest: idle
+        runner.start[:batch] = torch.where(in_use, next_start, runner.start[:batch])
+
+    def _prefill(self, chunks: list[Chunk]) -> list[Request]:
+        """Chunks of one length: their positions' keys and values, and the first tokens of the fresh
+        requests whose prompts they complete -> the requests ready to decode."""
+        now = time.monotonic()
+        for chunk in chunks:
+            if chunk.request.scheduled_at is None:
+                chunk.request.scheduled_at = now
+                self.stats.queue_time.observe(now - chunk.request.arrival)
+        fresh = [c.last and not c.request.result.tokens for c in chunks]
+        params = [c.request.params for c in chunks] if any(fresh) else None
+        try:
+            first = self.runner.prefill([c.request.tokens[c.begin:c.end] for c in chunks], [c.begin for c in chunks],
+                                        [c.request.blocks for c in chunks], params)
+        except Exception as error:  # e.g. out of memory: these requests fail, the others go on
+            for chunk in chunks:
+                self._count_finished("abort")
+                chunk.request.events.put(error)
+                self.scheduler.finish(chunk.request)
+            return []
+        first = first.tolist() if first is not None else [None] * len(chunks)
+        ready = []
+        for chunk, token, is_fresh in zip(chunks, first, fresh):
+            request = chunk.request
+            self.scheduler.computed(request, chunk.end)
+            if not chunk.last:
+                continue
+            if is_fresh:
+                request.first_token_at = time.monotonic()
+                self.stats.prompt_tokens += len(request.prompt)
+                self.stats.time_to_first_token.observe(request.first_token_at - request.arrival)
+                self._hand_out(request, request.stop.extend(request.result, [token]))
+                if request.result.finished:
+                    continue
+            ready.append(request)
+        return ready
+
+    def _start_decoding(self, requests: list[Request]) -> None:
+        """Gives each request a free slot, its anchor (the newest token) and its first drafts."""
+        runner = self.runner
+        free = (slot for slot, r in enumerate(self.slots) if r is None)
+        for request in requests:
+            request.slot = next(free)
+            request.status = Status.DECODING
+            self.slots[request.slot] = request
+            runner.set_blocks(request.slot, request.blocks)
+        index = torch.tensor([r.slot for r in requests], device=runner.tokens.device)
+        runner.tokens[index, 0] = torch.tensor([r.result.tokens[-1] for r in requests], device=index.device)
+        runner.start[index] = torch.tensor([r.num_computed for r in requests], device=index.device)
+        self._set_params()
+        if self.decoder.drafter is not None:
+            runner.draft([r.slot for r in requests])
+
+    def _vacate(self, request: Request) -> None:
+        """Frees the request's slot: its row reads and writes the null block from now on."""
+        self.slots[request.slot] = None
+        self.runner.set_blocks(request.slot, [])
+        self.runner.start[request.slot] = 0
+        request.slot = None
+        self._set_params()
+
+    def _set_params(self) -> None:
+        params = [IDLE if r is None else r.params for r in self.slots]
+        if params != self.runner.params:
+            self.runner.set_params(params)
+
+    def _hand_out(self, request: Request, taken: list[int]) -> None:
+        """Hands the request the tokens it has just taken; finishes it when it is done."""
+        self.stats.generation_tokens += len(taken)
+        if taken:
+            request.events.put(taken)
+        if request.result.finished:
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        """Frees the request's slot and blocks, counts it by its finish reason and its latencies,
+        then tells its waiter it is done (so a client that has its answer finds it counted in /metrics)."""
+        if request.slot is not None:
+            self._vacate(request)
+        self.scheduler.finish(request)
+        self._count_finished(request.result.finish_reason)
+        if request.result.finish_reason != "abort":  # an abort's end is when the engine noticed it
+            now, later_tokens = time.monotonic(), len(request.result.tokens) - 1
+            self.stats.e2e_latency.observe(now - request.arrival)
+            if later_tokens:
+                self.stats.time_per_output_token.observe((now - request.first_token_at) / later_tokens)
+        request.events.put(None)
+
+    def _count_finished(self, reason: str) -> None:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
