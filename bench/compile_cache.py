@@ -4,9 +4,9 @@ without a cache and with one from `python -m dspark.compile.warmup`.
 Two fresh processes, one after the other, each with an empty Inductor cache directory (so nothing
 compiled before helps): the warm-up itself, cold (it compiles every batch-size bucket in each
 sampling variant and saves the cache), then the same steps after loading that cache. Same options
-for both: the default model pair, --max-batch, --max-model-len.
+for both: the default model pair, --max-num-seqs, --max-model-len.
 
-    python -m bench.compile_cache [--max-batch 2] [--max-model-len 256] [--out table.md]
+    python -m bench.compile_cache [--max-num-seqs 2] [--max-model-len 256] [--out table.md]
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ import torch
 from bench.timing import emit_table
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
-from dspark.compile.runner import StepRunner
-from dspark.compile.warmup import TIMING_LINE, timing_line, warm_up
+from dspark.compile.warmup import TIMING_LINE, serving_runner, timing_line, warm_up
 
 
 def child(argv: list[str], cache_dir: str) -> str:
@@ -41,7 +40,7 @@ def cached_steps(args: argparse.Namespace) -> None:
     """The child that loads the cache, then steps as the warm-up does (printing as it prints)."""
     decoder, _ = build_decoder(args, compile=True)
     load_compile_cache(args.load, decoder.device, compiled_step_options(args, decoder))
-    for name, batch, seconds in warm_up(StepRunner(decoder, args.max_batch, args.max_model_len)):
+    for name, batch, seconds in warm_up(serving_runner(args, decoder)):
         print(timing_line(name, batch, seconds), flush=True)
 
 
@@ -53,7 +52,7 @@ def main() -> None:
     args = p.parse_args()
     if args.load is not None:
         return cached_steps(args)
-    options = ["--max-batch", str(args.max_batch), "--max-model-len", str(args.max_model_len),
+    options = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
                "--device", args.device, "--dtype", args.dtype]
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache.bin"
@@ -67,7 +66,7 @@ def main() -> None:
         size = cache.stat().st_size
     keys = list(runs["cold"][1])
     lines = [f"Compile cache: {datetime.date.today()}, {args.device}, torch {torch.__version__}; the default "
-             f"pair, --max-batch {args.max_batch}, --max-model-len {args.max_model_len}; cache {size / 1e6:.1f} MB.",
+             f"pair, --max-num-seqs {args.max_num_seqs}, --max-model-len {args.max_model_len}; cache {size / 1e6:.1f} MB.",
              "", "| variant | batch | cold s | from the cache s |", "|---|---|---|---|"]
     lines += [f"| {v} | {b} | {runs['cold'][1][(v, b)]:.1f} | {runs['from the cache'][1][(v, b)]:.1f} |"
               for v, b in keys]

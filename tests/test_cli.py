@@ -37,7 +37,7 @@ def test_bad_server_options_exit_naming_them(small_model, capsys):
     """Each once ended in a traceback, from the decoder's or the engine's build."""
     given = ["--model", str(small_model), "--device", "cpu", "--dtype", "float32", "--port", "0"]
     busy = socket.create_server(("127.0.0.1", 0))  # a port in use
-    for options, words in [(["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    for options, words in [(["--max-batch", "0"], "--max-num-seqs must be >= 1, got 0"),
                            (["--max-model-len", "513"], r"--max-model-len must be in \[1, 512\] for this model"),
                            (["--speculative-config", '{"num_speculative_tokens": 3}'],
                             "num_speculative_tokens=3 needs a drafter"),
@@ -51,7 +51,13 @@ def test_bad_server_options_exit_naming_them(small_model, capsys):
     (["--port", "70000"], "argument --port: invalid port (0-65535) value: '70000'"),
     (["--port", "-1"], "argument --port: invalid port (0-65535) value: '-1'"),
     (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
-    (["--max-batch", "-2"], "--max-batch must be >= 1, got -2"),
+    (["--max-batch", "-2"], "--max-num-seqs must be >= 1, got -2"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0, got 0.0"),
+    (["--num-gpu-blocks-override", "1"], "--num-gpu-blocks-override must be >= 2, got 1"),
+    (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
     (["--limit-concurrency", "0"], "--limit-concurrency must be >= 1, got 0"),
     (["--allowed-origins", "[1]"], "argument --allowed-origins: invalid origins"),
@@ -175,7 +181,7 @@ def test_a_compile_cache_for_other_options_stops_the_server_naming_them(default_
     torch.compile(lambda x: x.cos() + 1)(torch.randn(4))  # something compiled, to save
     cache = tmp_path / "cache.bin"
     save_compile_cache(cache, decoder.device, compiled_step_options(args, decoder))
-    with pytest.raises(SystemExit, match=r"other max_batch .*'max_batch': \(4, 8\)"):
+    with pytest.raises(SystemExit, match=r"other max_num_seqs .*'max_num_seqs': \(4, 8\)"):
         serve_main.main([*given, "--compile-cache", str(cache)])
     with pytest.raises(SystemExit, match="--compile-cache: .*No such file"):
         serve_main.main([*given, "--compile-cache", str(tmp_path / "missing.bin")])

@@ -18,7 +18,7 @@ from dspark.compile.runner import IDLE, StepRunner, default_buckets
 from dspark.compile.warmup import VARIANTS, warm_up
 from dspark.engine import Engine
 from test_decoder import target_greedy, tiny_pair
-from test_engine_paged import drain
+from test_engine import drain
 
 SAMPLED = SamplingParams(temperature=1.0, seed=7)
 

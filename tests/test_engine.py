@@ -1,24 +1,35 @@
-"""The serving engine: continuous batching is lossless and batch-invariant: every request, whatever
-joins or leaves the batch around it, gets exactly what it would get decoding alone (greedy: the
-target's own greedy tokens; sampled: the same tokens for the same seed), also when it is admitted
-mid-flight; cancelled, failed and shut-down requests free their slots and wake their waiters."""
+"""The serving engine: continuous batching over paged KV caches is lossless and batch-invariant: every
+request, whatever joins or leaves the batch around it, gets exactly what it would get decoding alone
+(greedy: the target's own greedy tokens; sampled: the same tokens for the same seed), also when it is
+admitted mid-flight, when its prompt enters in chunks, when it is preempted and resumed or finds its
+prefix cached; the pool's limits queue requests instead of failing them; cancelled, failed and
+shut-down requests free their blocks and slots and wake their waiters."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
-from dspark.serve.engine import Engine, EngineStopped
+from dspark.engine import Engine, EngineStopped
 from dspark.serve.openai import speculation
 from test_decoder import target_greedy, tiny_pair
 
 
-def drain(engine: Engine, requests) -> None:
-    """Runs the engine in this thread until every request has finished."""
+def drain(engine: Engine, requests) -> int:
+    """Steps the engine in this thread until every request has finished -> the steps taken."""
+    steps = 0
     while not all(r.result.finished or r.cancelled for r in requests):
-        engine._admit(block=False)
-        if any(engine.slots):
-            engine._step()
+        engine.step()
+        steps += 1
+    return steps
+
+
+def make_engine(decoder, max_batch=4, max_model_len=64, **options) -> Engine:
+    """An engine whose KV cache holds max_batch requests of max_model_len (blocks of 16), not the
+    default memory's worth: the tiny models' blocks are small."""
+    per_request = -(-(max_model_len + decoder.k + 1) // 16)
+    return Engine(decoder, max_batch=max_batch, max_model_len=max_model_len,
+                  num_blocks=options.pop("num_blocks", 1 + max_batch * per_request), **options)
 
 
 def decode_alone(target, drafter, prompt, params, k=4):
@@ -28,14 +39,13 @@ def decode_alone(target, drafter, prompt, params, k=4):
 @torch.inference_mode()
 def test_continuous_batching_greedy_equals_target_greedy_with_admission_mid_flight(one_thread):
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=64)
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4], [8, 8, 1]]
     lengths = [20, 6, 14, 9]
     first = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
              for p, n in zip(prompts[:3], lengths[:3])]
-    engine._admit(block=False)
-    for _ in range(3):  # the short request leaves; the fourth joins the batch mid-flight
-        engine._step()
+    for _ in range(4):  # the prompts, then three steps: the short request leaves; the fourth joins mid-flight
+        engine.step()
     late = engine.submit(prompts[3], SamplingParams(temperature=0.0, max_tokens=lengths[3], ignore_eos=True))
     requests = first + [late]
     drain(engine, requests)
@@ -49,10 +59,10 @@ def test_continuous_batching_greedy_equals_target_greedy_with_admission_mid_flig
 def test_requests_done_at_their_first_token_leave_at_admission(one_thread):
     """max_tokens = 1: the prefill's token is the whole completion; no slot stays in use."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
     requests = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)) for p in ([1, 2], [3])]
-    engine._admit(block=False)
-    assert not any(engine.slots) and [r.result.tokens for r in requests] == [
+    engine.step()
+    assert not any(engine.slots) and engine.pool.num_free == engine.pool.num_blocks - 1 and [r.result.tokens for r in requests] == [
         target_greedy(target, [1, 2], 1), target_greedy(target, [3], 1)]
     late = engine.submit([4, 5], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     drain(engine, [late])
@@ -70,11 +80,11 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method,
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=-1234, ignore_eos=True)
     alone = decoder.generate([[3, 1, 4]], params)[0].tokens
-    engine = Engine(decoder, max_batch=4, max_model_len=64)
+    engine = make_engine(decoder, max_batch=4, max_model_len=64)
     others = [engine.submit([2, 7, 1, 8], SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True))
               for n in (5, 11)]
-    engine._admit(block=False)
-    engine._step()
+    engine.step()
+    engine.step()
     ours = engine.submit([3, 1, 4], params)
     control = engine.submit([3, 1, 4], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99,
                                                       ignore_eos=True))
@@ -86,33 +96,30 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method,
 @torch.inference_mode()
 def test_an_admission_drafts_the_new_rows_only(one_thread, monkeypatch):
     """A request joining the batch gets the drafts and proposals that drafting the whole batch would
-    give it, and the row in flight is not drafted again: its drafts and proposals stay as its last
-    step wrote them. One done at its first token is not drafted."""
+    give it, and the admission does not draft the request in flight again (its step drafts it). One
+    done at its first token is not drafted."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
     runner = engine.runner
     params = [SamplingParams(temperature=t, max_tokens=12, seed=s, ignore_eos=True) for t, s in ((0.9, 1), (0.0, 2))]
     engine.submit([2, 7, 1, 8], params[0])
-    engine._admit(block=False)
-    engine._step()
-    in_flight = runner.tokens[0].clone(), runner.draft_probs[0].clone()
+    engine.step()
     drafted = []
-    draft = engine.decoder.draft
-    monkeypatch.setattr(engine.decoder, "draft", lambda *a, rows: drafted.append(rows.tolist()) or draft(*a, rows=rows))
+    draft = runner.draft
+    monkeypatch.setattr(runner, "draft", lambda slots: drafted.append(list(slots)) or draft(slots))
     for p in params:
         engine.submit([3, 1, 4], p)
     done_at_first = engine.submit([5, 9], SamplingParams(temperature=0.0, max_tokens=1))
-    engine._admit(block=False)
-    assert drafted == [[1, 2]] and done_at_first.result.finished  # it had row 3
-    assert torch.equal(runner.tokens[0], in_flight[0]) and torch.equal(runner.draft_probs[0], in_flight[1])
+    engine.step()
+    assert drafted == [[1, 2]] and done_at_first.result.finished
     admitted = runner.tokens[1:3].clone(), runner.draft_probs[1:3].clone()
-    runner.draft(range(3))
+    draft(range(3))
     assert torch.equal(runner.tokens[1:3], admitted[0]) and torch.equal(runner.draft_probs[1:3], admitted[1])
 
 
 def test_submit_rejects_what_it_cannot_serve():
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=32)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=32)
     with pytest.raises(ValueError, match="exceeds the maximum model length 32"):
         engine.submit([1] * 20, SamplingParams(max_tokens=13))
     with pytest.raises(ValueError, match=r"outside \[0, 64\): \[64\]"):
@@ -123,26 +130,26 @@ def test_submit_rejects_what_it_cannot_serve():
         engine.submit([5, 2.5], SamplingParams())
     for bad in (10**9, 0):  # 0 once meant the model's maximum
         with pytest.raises(ValueError, match="max_model_len"):
-            Engine(SpeculativeDecoder(target, drafter), max_model_len=bad)
+            make_engine(SpeculativeDecoder(target, drafter), max_model_len=bad)
 
 
 @torch.inference_mode()
 def test_a_cancelled_request_leaves_its_slot():
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     request = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    engine._admit(block=False)
-    engine._step()
+    engine.step()
+    engine.step()
     request.cancelled = True
-    engine._step()
-    assert engine.slots == [None] and request.result.finish_reason == "abort"
+    engine.step()
+    assert engine.slots == [None] and request.result.finish_reason == "abort" and request.blocks == []
     assert request.events.queue[-1] is None
     assert engine.stats.finished == {"abort": 1}  # /metrics tells it from a success
     gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
     assert engine.num_waiting() == 1
     gone.cancelled = True  # its client left while it waited
     assert engine.num_waiting() == 0  # the gauge of /metrics does not count it
-    engine._admit(block=False)
+    engine.step()
     assert engine.slots == [None] and gone.result.finish_reason == "abort" and gone.result.tokens == []
     assert engine.stats.finished == {"abort": 2} and engine.stats.prompt_tokens == 2  # not prefilled
 
@@ -150,26 +157,26 @@ def test_a_cancelled_request_leaves_its_slot():
 def test_a_request_whose_client_left_while_it_waited_is_dropped_before_the_next_step():
     """Not when a slot frees for it: its handler (a thread, and the client's socket) was held that long."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
     gone.cancelled = True
-    step, seen = engine._step, []
+    decode, seen = engine._decode, []
 
-    def first_step_then_stop():
+    def first_step_then_stop(requests):
         seen.append((gone.result.finish_reason, gone.events.queue[-1] if gone.events.qsize() else "no event",
                      running.result.finished))
         engine.shutdown()
-        step()
+        decode(requests)
 
-    engine._step = first_step_then_stop
+    engine._decode = first_step_then_stop
     engine.run()
     assert seen == [("abort", None, False)]
 
 
 def test_a_failing_step_fails_every_request_and_stops_the_engine():
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     waiting = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
 
@@ -189,17 +196,18 @@ def test_a_failing_prefill_fails_only_the_requests_it_admitted():
     """A prefill's failure (say, out of memory on a long prompt) once stopped the engine and every
     request in flight with it."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=2, max_model_len=64)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     running = engine.submit([1, 2], params)
-    engine._admit(block=False)
-    engine._step()
+    engine.step()
+    engine.step()
     failing = engine.submit([3, 4], params)
     prefill = engine.decoder.prefill
     engine.decoder.prefill = lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory"))
-    engine._admit(block=False)
+    engine.step()
     engine.decoder.prefill = prefill
     assert isinstance(failing.events.get_nowait(), RuntimeError) and engine.slots[1] is None
+    assert failing.blocks == [] and len(engine.scheduler.running) == 1
     drain(engine, [running])
     assert running.result.tokens == target_greedy(target, [1, 2], 12)
     assert not engine.stopped.is_set() and engine.stats.finished == {"abort": 1, "length": 1}
@@ -210,23 +218,23 @@ def test_a_generate_on_the_engines_models_stops_it_instead_of_corrupting_request
     """generate sets up caches of its own on the same target: the engine's requests in flight lost
     their context and went on silently with wrong tokens."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    engine._admit(block=False)
-    engine._step()
+    engine.step()
+    engine.step()
     SpeculativeDecoder(target, drafter).generate([[5]], SamplingParams(max_tokens=3))
     with pytest.raises(RuntimeError, match="caches are no longer this StepRunner's"):
-        engine._step()
+        engine.step()
 
 
 def test_after_shutdown_nothing_waits_forever():
     """A request submitted once the engine stops is refused; those in flight or waiting at shutdown
     receive EngineStopped rather than waiting on events that never come, and count as aborted."""
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     waiting = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
-    engine._admit(block=False)
+    engine.step()
     engine.shutdown()
     engine.run()
     for request in (running, waiting):
@@ -238,9 +246,102 @@ def test_after_shutdown_nothing_waits_forever():
 
 def test_without_speculation_the_response_reports_none():
     target, _ = tiny_pair(vocab=64)
-    engine = Engine(SpeculativeDecoder(target, None), max_batch=1, max_model_len=32)
+    engine = make_engine(SpeculativeDecoder(target, None), max_batch=1, max_model_len=32)
     request = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     with torch.inference_mode():
         drain(engine, [request])
     assert request.result.tokens == target_greedy(target, [1, 2], 5)
     assert speculation([request.result]) is None and engine.stats.drafts == 0
+
+
+PROMPTS = [list(range(3, 40)), [5, 9, 11, 2, 7], [4], list(range(3, 40)) + [8, 8, 1, 9, 2, 6]]  # the last
+LENGTHS = [40, 6, 30, 25]  # extends the first: a cached prefix once the first has run
+
+
+def small_engine(target, drafter, num_blocks, max_num_batched_tokens=7, **options):
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4)
+    return Engine(decoder, max_num_seqs=3, max_model_len=80, block_size=4, num_blocks=num_blocks,
+                  max_num_batched_tokens=max_num_batched_tokens, **options)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("window", [None, 3])
+def test_greedy_output_is_the_targets_through_chunks_preemption_and_prefix_reuse(one_thread, window):
+    """A pool of 30 blocks of 4 for up to three requests of up to 43 + 25 tokens, prompts entering 7
+    tokens per step: the long prompts take several chunks, requests join and leave mid-flight, the
+    newest give way when blocks run out, and the fourth finds the first's prompt cached."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4, drafter_window=window)
+    engine = small_engine(target, drafter, num_blocks=30)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
+    requests = [engine.submit(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+    for _ in range(12):
+        engine.step()
+    requests.append(engine.submit(PROMPTS[3], params[3]))
+    drain(engine, requests)
+    for request, prompt, n in zip(requests, PROMPTS, LENGTHS):
+        assert request.result.tokens == target_greedy(target, prompt, n)
+        assert request.result.finish_reason == "length" and request.events.queue[-1] is None
+    counters = engine.scheduler.counters
+    assert counters.preemptions >= 1 and counters.prefix_hits >= 36  # the first's 9 full prompt blocks
+    assert engine.pool.num_free == 29 and not any(engine.slots) and engine.stats.finished == {"length": 4}
+
+
+@torch.inference_mode()
+def test_sampled_requests_lose_and_repeat_nothing_when_preempted(one_thread):
+    """Seeded sampled requests in a pool too small for them all (preempted and resumed over and over)
+    get exactly the tokens each gets alone in a large pool: nothing produced is lost or repeated, and
+    a resumed request's drafter context is its own, recomputed."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    params = [SamplingParams(temperature=t, top_p=p, max_tokens=n, seed=i, ignore_eos=True)
+              for i, (t, p, n) in enumerate([(1.0, 1.0, 40), (0.7, 0.9, 35), (1.0, 1.0, 30), (1.3, 1.0, 25)])]
+    crowded = small_engine(target, drafter, num_blocks=26)
+    requests = [crowded.submit(p, sp) for p, sp in zip(PROMPTS, params)]
+    drain(crowded, requests)
+    assert crowded.scheduler.counters.preemptions >= 2
+    for request, prompt, sp in zip(requests, PROMPTS, params):
+        alone = small_engine(target, drafter, num_blocks=200, enable_prefix_caching=False)
+        solo = alone.submit(prompt, sp)
+        drain(alone, [solo])
+        assert request.result.tokens == solo.result.tokens and len(request.result.tokens) == sp.max_tokens
+
+
+@torch.inference_mode()
+def test_a_full_pool_queues_requests_and_serves_them_all(one_thread):
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = small_engine(target, drafter, num_blocks=26, max_num_batched_tokens=100)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4] * 7 for i in range(8)]
+    requests = [engine.submit(p, params) for p in prompts]
+    engine.step()
+    assert engine.num_running() == 2 and engine.num_waiting() == 6  # 35 + 5 positions: 10 blocks; 25 usable
+    drain(engine, requests)
+    for request, prompt in zip(requests, prompts):
+        assert request.result.tokens == target_greedy(target, prompt, 30)
+
+
+def test_what_the_pool_cannot_hold_is_refused_naming_both_numbers():
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    with pytest.raises(ValueError, match=r"KV cache holds 76 tokens \(19 blocks of 4\), less than one request of "
+                                         r"max_model_len 80 needs \(88"):
+        small_engine(target, drafter, num_blocks=20)
+    engine = small_engine(target, drafter, num_blocks=30)
+    with pytest.raises(ValueError, match="prompt length 79 \\+ max_tokens 2 exceeds the maximum model length 80 "
+                                         "\\(the KV cache holds 116 tokens in all\\)"):
+        engine.submit([1] * 79, SamplingParams(max_tokens=2))
+
+
+@torch.inference_mode()
+def test_a_cancelled_request_frees_its_blocks_and_slot(one_thread):
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = small_engine(target, drafter, num_blocks=30)
+    keep, leave = (engine.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+                   for _ in range(2))
+    for _ in range(3):
+        engine.step()
+    held = engine.pool.num_free
+    leave.cancelled = True
+    engine.step()
+    assert leave.result.finish_reason == "abort" and leave.slot is None and leave.blocks == []
+    assert engine.pool.num_free > held and engine.stats.finished == {"abort": 1}
+    drain(engine, [keep])
+    assert keep.result.tokens == target_greedy(target, [1, 2, 3], 20)

@@ -13,7 +13,7 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.output import GenerationResult
-from dspark.serve.engine import Engine
+from dspark.engine import Engine
 from stats import POWER, design, noncentrality, power
 from test_decoder import (TopPOnDrafts, assert_first_three_match, assert_first_two_differ, first_three_checks,
                           first_three_counts, target_joint_law, tiny_pair, top_p_on_drafts)

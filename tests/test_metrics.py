@@ -104,6 +104,33 @@ def test_the_counters_carry_vllms_names_and_the_per_position_acceptance(running)
 
 
 @torch.inference_mode()
+def test_the_kv_cache_metrics_show_usage_prefix_hits_and_preemptions():
+    """A pool of 12 blocks of 4 for requests of up to 40 + 5 positions: the second request finds the
+    first's 16-token prompt cached, and the third (another prompt) runs the pool out mid-decode."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=40,
+                    block_size=4, num_blocks=13)
+
+    def sample(text: str, name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"dspark:{name}{{"))
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first = engine.submit(list(range(1, 18)), params)
+    engine.step()
+    text = exposition(engine, "m")
+    assert sample(text, "kv_cache_usage_perc") == pytest.approx(6 / 12)  # 17 + 5 positions: 6 blocks
+    assert sample(text, "prefix_cache_queries_total") == 17 and sample(text, "prefix_cache_hits_total") == 0
+    while not first.result.finished:
+        engine.step()
+    others = [engine.submit(list(range(1, 17)) + [30], params), engine.submit([9] * 17, params)]
+    while not all(r.result.finished for r in others):
+        engine.step()
+    text = exposition(engine, "m")
+    assert sample(text, "prefix_cache_hits_total") >= 16 and sample(text, "num_preemptions_total") >= 1  # and resumed
+    assert sample(text, "kv_cache_usage_perc") == 0.0
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("k", [0, 4])
 def test_the_iteration_log_gives_the_rates_and_acceptance_of_the_seconds_since_its_last_line(running, k):
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
@@ -117,7 +144,8 @@ def test_the_iteration_log_gives_the_rates_and_acceptance_of_the_seconds_since_i
         wait(request)
     clock[0] += 2.0
     stats = engine.stats
-    expected = "dspark: prompt 3.0 tokens/s, generation 20.0 tokens/s, 0 running, 0 waiting"
+    expected = ("dspark: prompt 3.0 tokens/s, generation 20.0 tokens/s, 0 running, 0 waiting, KV cache usage 0.0%, "
+                "prefix cache hit rate 0.0%")  # three-token prompts fill no block
     if k:
         assert sum(stats.accepted_per_position) == stats.accepted_tokens > 0
         expected += (f"; mean acceptance length {1 + stats.accepted_tokens / stats.drafts:.2f}, accepted per "

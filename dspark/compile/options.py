@@ -21,6 +21,7 @@ from pathlib import Path
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.generate import add_model_args as add_model_source_args
 from dspark.generate import load_models
+from dspark.kv_cache import DEFAULT_KV_CACHE_GIB, KV_BLOCK_SIZE
 
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method",
              "use_rejection_sampling"}
@@ -70,25 +71,58 @@ def speculative_config(text: str | None) -> dict:
     return config
 
 
-DEFAULT_MAX_MODEL_LEN = 2048  # the caches' length: max_batch rows of it are allocated at start
+DEFAULT_MAX_MODEL_LEN = 2048  # prompt + completion tokens per request, unless the model's maximum is smaller
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The options that decide the decoder and its static batch."""
+    """The options that decide the decoder, its static batch and its KV cache (vLLM's names)."""
     add_model_source_args(p)
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM's keys (see above)")
-    p.add_argument("--max-batch", type=int, default=8, help="batch slots: requests decoded together")
+    p.add_argument("--max-num-seqs", "--max-batch", dest="max_num_seqs", type=int, default=8,
+                   help="requests running at once: the decode step's batch slots")
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"prompt + completion tokens per request (default: {DEFAULT_MAX_MODEL_LEN}, or the "
                         "model's maximum if that is smaller)")
+    p.add_argument("--block-size", type=int, default=KV_BLOCK_SIZE, help="positions per KV cache block")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA, the share of the card's memory the models and the KV cache may take")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help=f"the KV cache's size in GiB (default: {DEFAULT_KV_CACHE_GIB} off CUDA; on CUDA what "
+                        "--gpu-memory-utilization leaves)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="the KV cache's number of blocks, whatever the memory (vLLM's flag)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens per engine step: a longer prompt enters in chunks while the running "
+                        "requests decode (default: 2048 on CUDA, 256 on the CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt's prefix that an earlier request computed")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first engine option out of its range (before any model loads)."""
+    for name, value, low in [("--max-num-seqs", args.max_num_seqs, 1), ("--max-model-len", args.max_model_len, 1),
+                             ("--block-size", args.block_size, 1), ("--kv-cache-memory", args.kv_cache_memory, 1e-9),
+                             ("--num-gpu-blocks-override", args.num_gpu_blocks_override, 2),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1)]:
+        if value is not None and not value >= low:
+            raise ValueError(f"{name} must be {'> 0' if low < 1 else f'>= {low}'}, got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The Engine's keyword arguments the options give (the server adds its CUDA-graph choice)."""
+    return {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "block_size": args.block_size,
+            "num_blocks": args.num_gpu_blocks_override, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_memory": args.kv_cache_memory, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_prefix_caching": args.enable_prefix_caching}
 
 
 def build_decoder(args: argparse.Namespace, compile: bool):
     """The decoder the options describe -> (decoder, tokenizer); `compile`: torch.compile its
     step. Sets args.max_model_len where it was left to the default. A ValueError or OSError names
     the option (or file) that is wrong."""
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    check_engine_args(args)
     spec = speculative_config(args.speculative_config)
     # None: the default model's drafter (none with --model); "none" (or K = 0): none
     args.drafter = "none" if spec.get("num_speculative_tokens") == 0 else spec.get("model")
@@ -117,4 +151,7 @@ def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder)
             "dtype": str(next(decoder.target.parameters()).dtype).removeprefix("torch."),
             "num_speculative_tokens": decoder.k,
             "rejection_sample_method": "block" if decoder.block_verify else "standard",
-            "greedy_drafts": decoder.greedy_drafts, "max_batch": args.max_batch, "max_model_len": args.max_model_len}
+            "greedy_drafts": decoder.greedy_drafts, "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "block_size": args.block_size,
+            "num_blocks": args.num_gpu_blocks_override, "kv_cache_memory": args.kv_cache_memory,
+            "gpu_memory_utilization": args.gpu_memory_utilization}

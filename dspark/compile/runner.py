@@ -27,6 +27,11 @@ from dspark.sampling import SamplingParams, SamplingTensors
 IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a slot no request uses
 
 
+def blocks_per_request(max_model_len: int, k: int, block_size: int) -> int:
+    """The blocks a request holds at most: max_model_len positions and the K + 1 its last step writes."""
+    return -(-(max_model_len + k + 1) // block_size)
+
+
 def default_buckets(max_batch: int) -> list[int]:
     """Powers of two below max_batch, and max_batch: 1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6."""
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})

@@ -3,15 +3,16 @@ cache that `python -m dspark.serve --compile-cache FILE` loads when it starts.
 
     python -m dspark.compile.warmup --compile-cache dspark-cache.bin      # the default server's step
     python -m dspark.serve --compile-cache dspark-cache.bin
-    python -m dspark.compile.warmup --compile-cache c.bin --max-batch 16 \\
+    python -m dspark.compile.warmup --compile-cache c.bin --max-num-seqs 16 \\
         --speculative-config '{"num_speculative_tokens": 5, "rejection_sample_method": "block"}'
 
 It builds the decoder and the static batch from the same options as the server (dspark.compile.options),
 then steps every batch-size bucket in each sampling variant a server meets (every row greedy;
 sampled; sampled with a top-p filter), which compiles every graph the server's steps need, and saves
 what Inductor compiled. Give it the options the server will get: the compiled code is specialized to
-the models, K, the batch buckets and the cache length (--max-model-len). A cache is for the torch,
-triton and device it was made with.
+the models, K, the batch buckets, --max-model-len and the KV cache's shape (its blocks: on CUDA they
+follow the free memory, so give both --num-gpu-blocks-override for a cache that fits). A cache is for
+the torch, triton and device it was made with.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch
 
 from dspark.compile.cache import save_compile_cache
 from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
-from dspark.compile.runner import StepRunner
+from dspark.compile.runner import StepRunner, blocks_per_request
+from dspark.kv_cache import kv_cache_blocks
 from dspark.sampling import SamplingParams
 
 VARIANTS = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams(temperature=1.0),
@@ -37,6 +39,14 @@ def timing_line(variant: str, batch: int, seconds: float) -> str:
 
 
 TIMING_LINE = re.compile(r"^\s*(\S+) batch\s+(\d+):\s+([\d.]+) s", re.M)
+
+
+def serving_runner(args: argparse.Namespace, decoder) -> StepRunner:
+    """The static batch a server of these options runs (the Engine's: its slots, its KV cache's blocks)."""
+    num_blocks = args.num_gpu_blocks_override or kv_cache_blocks(
+        decoder.target, decoder.drafter, args.block_size, args.gpu_memory_utilization, args.kv_cache_memory)
+    return StepRunner(decoder, args.max_num_seqs, blocks_per_request(args.max_model_len, decoder.k, args.block_size),
+                      num_blocks, args.block_size)
 
 
 @torch.inference_mode()
@@ -67,7 +77,7 @@ def main(argv=None) -> None:
         decoder, _ = build_decoder(args, compile=True)
     except (OSError, ValueError) as error:
         raise SystemExit(f"python -m dspark.compile.warmup: {error}") from None
-    runner = StepRunner(decoder, args.max_batch, args.max_model_len)
+    runner = serving_runner(args, decoder)
     began = time.perf_counter()
     for name, batch, seconds in warm_up(runner):
         print(timing_line(name, batch, seconds), flush=True)

@@ -27,7 +27,7 @@ from itertools import groupby
 
 import torch
 
-from dspark.compile.runner import IDLE, StepRunner
+from dspark.compile.runner import IDLE, StepRunner, blocks_per_request
 from dspark.decoder import SpeculativeDecoder
 from dspark.engine.kv_blocks import BlockPool
 from dspark.engine.request import Request, Status
@@ -81,15 +81,14 @@ class Engine:
             num_blocks = kv_cache_blocks(decoder.target, decoder.drafter, block_size, gpu_memory_utilization,
                                          kv_cache_memory)
         self.decoder, self.max_num_seqs = decoder, max_num_seqs
-        lookahead = decoder.k + 1  # the positions a step writes from its anchor on
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        longest = self.pool.blocks_for(self.max_model_len + lookahead)
+        longest = blocks_per_request(self.max_model_len, decoder.k, block_size)
         if longest > num_blocks - 1:
             raise ValueError(f"the KV cache holds {(num_blocks - 1) * block_size} tokens ({num_blocks - 1} blocks of "
                              f"{block_size}), less than one request of max_model_len {self.max_model_len} needs "
-                             f"({longest * block_size} with the step's {lookahead} positions): give the cache more "
-                             f"memory or lower max_model_len")
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead)
+                             f"({longest * block_size} with the step's {decoder.k + 1} positions): give the cache "
+                             f"more memory or lower max_model_len")
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead=decoder.k + 1)
         self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.incoming: queue.Queue[Request | None] = queue.Queue()  # from submit(), for the engine's thread
@@ -101,6 +100,11 @@ class Engine:
     def capacity(self) -> int:
         """The tokens the KV cache holds."""
         return (self.pool.num_blocks - 1) * self.pool.block_size
+
+    @property
+    def full_length_requests(self) -> int:
+        """How many requests of max_model_len tokens the KV cache holds at once."""
+        return (self.pool.num_blocks - 1) // self.runner.block_table.shape[1]
 
     # ------------------------------------------------------------------ any thread
 

@@ -1,7 +1,7 @@
 """python -m dspark.serve: the OpenAI-compatible server, on the embedded default model by default.
 
     python -m dspark.serve                                  # SmolLM2-135M-Instruct + its DSpark drafter
-    python -m dspark.serve --port 8000 --max-batch 16 --speculative-config \\
+    python -m dspark.serve --port 8000 --max-num-seqs 16 --speculative-config \\
         '{"method": "dspark", "num_speculative_tokens": 5, "rejection_sample_method": "block"}'
     python -m dspark.serve --model path/to/model.gguf --speculative-config '{"model": "path/to/drafter"}'
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -27,7 +27,8 @@ import threading
 from pathlib import Path
 
 from dspark.compile.cache import load_compile_cache
-from dspark.compile.options import add_model_args, build_decoder, compiled_step_options, speculative_config
+from dspark.compile.options import (add_model_args, build_decoder, check_engine_args, compiled_step_options,
+                                    engine_options, speculative_config)
 from dspark.engine import Engine
 from dspark.serve.metrics import IterationLog
 from dspark.serve.process import Server
@@ -86,8 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-log-stats", action="store_true", help="no iteration log (vLLM's flag)")
     p.add_argument("--disable-access-log", action="store_true", help="no line per request (uvicorn's flag)")
     args = p.parse_args(argv)
-    for name, value, low in [("--max-batch", args.max_batch, 1), ("--max-model-len", args.max_model_len, 1),
-                             ("--limit-concurrency", args.limit_concurrency, 1),
+    try:
+        check_engine_args(args)
+    except ValueError as error:
+        p.error(str(error))
+    for name, value, low in [("--limit-concurrency", args.limit_concurrency, 1),
                              ("--shutdown-timeout", args.shutdown_timeout, 0),
                              ("--timeout-keep-alive", args.timeout_keep_alive, 0)]:
         if value is not None and not value >= low:
@@ -137,12 +141,6 @@ def listen(host: str, port: int) -> socket.socket:
         raise SystemExit(f"{PROG}: cannot serve on {host}:{port}: {error.strerror or error}") from None
 
 
-def engine_options(args: argparse.Namespace, decoder) -> dict:
-    """The Engine's keyword arguments from the options."""
-    return {"max_batch": args.max_batch, "max_model_len": args.max_model_len,
-            "cuda_graphs": decoder.device.type == "cuda" and not args.enforce_eager}
-
-
 def raise_open_files_limit() -> None:
     """Every connection holds a file descriptor: the soft limit is raised to the hard one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -168,8 +166,11 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(f"{PROG}: interrupted while loading") from None
     name = args.served_model_name or served_name(args.model)
-    options = engine_options(args, decoder)
-    engine = Engine(decoder, **options)
+    cuda_graphs = decoder.device.type == "cuda" and not args.enforce_eager
+    try:
+        engine = Engine(decoder, **engine_options(args), cuda_graphs=cuda_graphs)
+    except ValueError as error:  # a KV cache too small for --max-model-len
+        raise SystemExit(f"{PROG}: {error}") from None
     loopback = is_loopback(args.host)
     app = create_app(engine, tokenizer, name, args.max_model_len, api_key=args.api_key,
                      allowed_origins=args.allowed_origins,
@@ -181,8 +182,11 @@ def main(argv=None) -> None:
         threading.Thread(target=IterationLog(engine, args.log_stats_interval).run, args=(stop_log,),
                          name="dspark-stats", daemon=True).start()
     drafting = f"DSpark drafter, K = {decoder.k}" if decoder.drafter is not None else "no speculation"
-    mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * options["cuda_graphs"])
+    mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * cuda_graphs)
     host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"dspark: KV cache of {engine.capacity} tokens ({engine.pool.num_blocks - 1} blocks of {args.block_size}): "
+          f"{engine.full_length_requests} requests of --max-model-len {args.max_model_len} at once",
+          file=sys.stderr, flush=True)
     print(f"dspark: serving {name} ({drafting}, {next(decoder.target.parameters()).dtype}, {args.device}, {mode}) "
           f"on http://{host}:{sock.getsockname()[1]}  (POST /v1/chat/completions, /v1/completions)"
           + ("" if loopback or args.api_key else "; reachable from other machines without --api-key"),

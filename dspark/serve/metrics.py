@@ -17,6 +17,7 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from dspark.engine import Engine, EngineStats, Histogram
+from dspark.engine.scheduler import SchedulerCounters
 
 
 class EngineCollector(Collector):
@@ -40,11 +41,22 @@ class EngineCollector(Collector):
         return family
 
     def collect(self):
-        engine, stats = self.engine, self.engine.stats
-        yield self._family(GaugeMetricFamily, "num_requests_running", "Requests in a batch slot.",
+        engine, stats, counters = self.engine, self.engine.stats, self.engine.scheduler.counters
+        yield self._family(GaugeMetricFamily, "num_requests_running",
+                           "Requests holding KV blocks (their prompts entering, or decoding).",
                            [((), engine.num_running())])
-        yield self._family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting for a slot.",
+        yield self._family(GaugeMetricFamily, "num_requests_waiting",
+                           "Requests waiting for KV blocks or a seat (preempted ones included).",
                            [((), engine.num_waiting())])
+        yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
+                           "The share of the KV cache's blocks requests hold (1 = all of them).",
+                           [((), engine.pool.usage)])
+        for name, help_text, value in [
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", counters.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", counters.prefix_hits),
+                ("num_preemptions", "Requests preempted (their blocks released, recomputed later).",
+                 counters.preemptions)]:
+            yield self._family(CounterMetricFamily, name, help_text, [((), value)])
         yield self._family(CounterMetricFamily, "request_success", "Finished requests, by finish reason (abort: the "
                            "client left or the engine stopped first).",
                            [((reason,), n) for reason, n in sorted(stats.finished.items())], ["finished_reason"])
@@ -80,8 +92,9 @@ def metrics_registry(engine: Engine, model: str) -> CollectorRegistry:
 
 class IterationLog:
     """Every `interval` seconds in which the engine did something, one line: prompt and generation
-    tokens per second, requests running and waiting, and for speculation the mean acceptance length
-    (bonus token included) and the acceptance rate per draft position over those seconds."""
+    tokens per second, requests running and waiting, the KV cache's usage and the prefix cache's hit
+    rate, and for speculation the mean acceptance length (bonus token included) and the acceptance
+    rate per draft position over those seconds."""
 
     def __init__(self, engine: Engine, interval: float = 10.0, write: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -89,21 +102,26 @@ class IterationLog:
         self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self.last, self.last_time = self._snapshot(), clock()
 
-    def _snapshot(self) -> EngineStats:
-        stats = self.engine.stats
-        return dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position))
+    def _snapshot(self) -> tuple[EngineStats, SchedulerCounters]:
+        stats, counters = self.engine.stats, self.engine.scheduler.counters
+        return (dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)),
+                dataclasses.replace(counters))
 
     def line(self) -> str | None:
         """The line for the time since the last one (None if the engine did nothing meanwhile)."""
-        now, stats = self.clock(), self._snapshot()
-        last, seconds = self.last, max(now - self.last_time, 1e-9)
-        self.last, self.last_time = stats, now
+        now, (stats, counters) = self.clock(), self._snapshot()
+        (last, last_counters), seconds = self.last, max(now - self.last_time, 1e-9)
+        self.last, self.last_time = (stats, counters), now
         if stats.steps == last.steps and stats.prompt_tokens == last.prompt_tokens:
             return None
         engine = self.engine
         text = (f"dspark: prompt {(stats.prompt_tokens - last.prompt_tokens) / seconds:.1f} tokens/s, generation "
                 f"{(stats.generation_tokens - last.generation_tokens) / seconds:.1f} tokens/s, "
-                f"{engine.num_running()} running, {engine.num_waiting()} waiting")
+                f"{engine.num_running()} running, {engine.num_waiting()} waiting, KV cache usage "
+                f"{100 * engine.pool.usage:.1f}%")
+        queries = counters.prefix_queries - last_counters.prefix_queries
+        if queries:
+            text += f", prefix cache hit rate {100 * (counters.prefix_hits - last_counters.prefix_hits) / queries:.1f}%"
         drafts = stats.drafts - last.drafts
         if drafts:
             accepted = [n - m for n, m in zip(stats.accepted_per_position, last.accepted_per_position)]
