@@ -68,7 +68,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def filtered(x: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray):
     """x [B, N, V] scaled logits; top_k, top_p, min_p [B] (0, 1, 0: off) -> x with the removed tokens
     at -inf, and the margin [B] of the cut-offs."""
-    B, N, V = x.shape
+    B, _, V = x.shape
     p = softmax(x)
     keep = np.ones(x.shape, dtype=bool)
     margin = np.full(B, np.inf)
@@ -89,11 +89,11 @@ def filtered(x: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndar
     order = np.argsort(-kept, axis=-1, kind="stable")  # most likely first, the removed ones last
     ranked = np.take_along_axis(kept, order, -1)
     before = np.cumsum(ranked, -1) - ranked  # each token's predecessors' mass
-    cut = top_p[:, None, None] * ranked.sum(-1, keepdims=True)
+    total = ranked.sum(-1, keepdims=True)
+    cut = top_p[:, None, None] * total
     stays = ((before < cut) | (top_p[:, None, None] >= 1)) & (ranked > 0)
     stays[..., 0] = True
     np.put_along_axis(keep, order, stays, -1)
-    total = ranked.sum(-1, keepdims=True)
     near_cut = np.where((ranked > 0) & (np.arange(V) > 0), np.abs(before - cut) / total, np.inf)
     last = stays.sum(-1, keepdims=True) - 1  # the kept and the removed token either side of the cut
     pair = np.take_along_axis(ranked, np.concatenate([last, np.minimum(last + 1, V - 1)], -1), -1)
