@@ -7,3 +7,12 @@ SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536
                        max_position_embeddings=8192, tie_word_embeddings=True)
 # the --smoke runs' target on the CPU: checks that a benchmark runs, fast
 SMOKE = TargetConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2)
+# Llama-3-8B's shapes: the goal's model for step times against the bytes floor (untied embeddings)
+LLAMA3_8B = TargetConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072, tie_word_embeddings=False)
+# its drafter's shapes, as DeepSpec builds one for an 8B target: 5 layers over 5 target layers
+LLAMA3_8B_DRAFTER_LAYERS = dict(num_hidden_layers=5, block_size=7, target_layer_ids=[1, 8, 15, 22, 29],
+                                markov_rank=64, mask_token_id=128002)

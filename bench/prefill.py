@@ -1,9 +1,9 @@
-"""The prefill with and without cuDNN's attention, in one process: seconds per `SpeculativeDecoder.prefill`
-of a batch of prompts of many lengths (what self-distillation and `python -m dspark.eval` prefill),
-and of single prompts of new lengths (what a server admits).
+"""The prefill with and without cuDNN's attention, in one process: seconds per
+`SpeculativeDecoder.prefill_prompts` of a batch of prompts of many lengths (what self-distillation and
+`python -m dspark.eval` prefill), and of single prompts of new lengths (what a server admits).
 
-`prefill` groups the prompts by length, one target forward per group, so every length and group
-size is an attention shape of its own. dspark's prefill keeps cuDNN's attention out
+`prefill_prompts` groups the prompts by length, one target forward per group, so every length and
+group size is an attention shape of its own. dspark's prefill keeps cuDNN's attention out
 (`dspark.decoder.PREFILL_ATTENTION`); the baseline lets torch choose among all its backends. Each
 round draws new prompts (new shapes, as every new batch does) and is timed with a device
 synchronisation at both ends; the variants take turns. A target of SmolLM2-135M's shapes with
@@ -27,6 +27,7 @@ from bench.models import SMOKE, SMOLLM2
 from bench.timing import emit_table, print_profile
 import dspark.decoder
 from dspark import SamplingParams, SpeculativeDecoder, TargetModel
+from dspark.kv_cache import KV_BLOCK_SIZE, contiguous_block_table
 from dspark.loading import measuring_dtype
 from dspark.sampling import SamplingTensors
 
@@ -41,14 +42,16 @@ def draw_prompts(count: int, lengths: tuple[int, int], vocab: int, generator: to
 
 
 def prefill_seconds(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> float:
-    """Wall seconds of one prefill of `prompts` into cache rows 0 .. len - 1."""
+    """Wall seconds of one prefill of `prompts`, each into blocks of its own."""
     device = decoder.device
     sampling = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(len(prompts))],
                                            device)
+    _, block_table = contiguous_block_table([len(p) for p in prompts])
+    block_table = block_table.to(device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
-    decoder.prefill(prompts, sampling)
+    decoder.prefill_prompts(prompts, block_table, sampling)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - began
@@ -72,7 +75,8 @@ def main() -> None:
         device, config = torch.device("cuda"), SMOLLM2
     torch.manual_seed(0)
     target = TargetModel(config).to(device, measuring_dtype(device)).eval()
-    target.setup_caches(args.batch, args.lengths[1] + args.single + 1)
+    num_blocks, _ = contiguous_block_table([args.lengths[1] + args.single + 1] * args.batch)
+    target.setup_caches(num_blocks, KV_BLOCK_SIZE)
     decoder = SpeculativeDecoder(target, None)
     generator = torch.Generator().manual_seed(0)
     prefill_seconds(decoder, draw_prompts(8, args.lengths, config.vocab_size, generator))  # one-time costs

@@ -45,22 +45,32 @@ import dspark.train.step
 from dspark.config import TargetConfig
 from dspark.data import Sequence
 from dspark.loading import measuring_dtype
-from dspark.target import TargetModel, grouped_mask
+from dspark.layers import DecoderLayer
+from dspark.target import TargetLayer, TargetModel, attend, grouped_mask
 from dspark.train import (Batch, BatchOrder, TrainConfig, default_drafter_config, make_batch, make_students,
                           slot_losses, train_step)
 
 TINY = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8)
 
 
-class MaskedTarget(TargetModel):
-    """The baseline target: its training forward attends through a dense causal mask (which the
-    attention expands in every layer) and gives float32 logits at the slots."""
+def masked_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention through a dense mask (which the attention expands in every layer)."""
+    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None]
+    return attend(q, k, v, grouped_mask(visible, q.shape[1] // k.shape[1]))
 
-    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        if self.max_seq_len is not None:
-            return super().attention_mask(positions)
-        visible = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device)
-        return grouped_mask(visible.tril()[None], self.config.num_attention_heads // self.config.num_key_value_heads)
+
+class MaskedLayer(TargetLayer):
+    def forward(self, x, cos, sin, positions, access):
+        return DecoderLayer.forward(self, x, cos, sin, masked_attend)
+
+
+class MaskedTarget(TargetModel):
+    """The baseline target: its training forward attends through a dense causal mask and gives
+    float32 logits at the slots."""
+
+    def __init__(self, config: TargetConfig):
+        super().__init__(config)
+        self.layers = torch.nn.ModuleList(MaskedLayer(config) for _ in range(config.num_hidden_layers))
 
     def forward(self, *args, **kwargs):
         return super().forward(*args, **{**kwargs, "logits_dtype": torch.float32})

@@ -35,10 +35,9 @@ from dspark.target import TargetModel
 VERIFY_METHODS = ("standard", "block")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")  # SamplingTensors' per-row tensors
 RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache shapes (powers of two)
-# The attention kernels a prefill may use: not cuDNN's, which builds an execution plan for every new
-# shape (FlashInfer measured 55-70 ms per shape on SM100; bench/prefill.py compares), and a prefill
-# meets a new shape with every prompt length and group size. Decode steps keep torch's choice: their
-# shape is fixed per cache.
+# The attention kernels a prompt chunk may use: not cuDNN's, which builds an execution plan for every
+# new shape (python -m bench.prefill compares), and chunks meet a new shape with every length. Decode
+# steps read the cache through dspark::paged_attention.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -287,14 +286,7 @@ class SpeculativeDecoder:
         sampling = SamplingTensors.from_params(params, device)
         draft_probs = torch.zeros(batch, self.k, self.target.config.vocab_size, device=device)
 
-        anchor = torch.empty(batch, dtype=torch.long, device=device)
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(i)
-        for length, group in by_length.items():
-            rows = torch.tensor(group, device=device)
-            anchor[rows] = self.prefill(torch.tensor([prompts[i] for i in group], device=device), [0] * len(group),
-                                        block_table[rows], sampling_rows(sampling, rows))
+        anchor = self.prefill_prompts(prompts, block_table, sampling)
         start = torch.tensor([len(p) for p in prompts], device=device)
         active = torch.ones(batch, dtype=torch.bool)
         for i, token in enumerate(anchor.tolist()):
@@ -361,6 +353,21 @@ class SpeculativeDecoder:
         """The number of blocks of the caches in place (0: none)."""
         cache = self.target.layers[0].kv_cache
         return 0 if cache is None else cache.k_pool.shape[1]
+
+    def prefill_prompts(self, prompts: list[list[int]], block_table: torch.Tensor,
+                        sampling: SamplingTensors) -> torch.Tensor:
+        """Prefills whole prompts (block_table [n, M] their blocks), one forward per prompt length ->
+        their first tokens [n]."""
+        device = self.device
+        first = torch.empty(len(prompts), dtype=torch.long, device=device)
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        for group in by_length.values():
+            rows = torch.tensor(group, device=device)
+            first[rows] = self.prefill(torch.tensor([prompts[i] for i in group], device=device), [0] * len(group),
+                                       block_table[rows], sampling_rows(sampling, rows))
+        return first
 
     def prefill(self, tokens: torch.Tensor, begins: list[int], block_table: torch.Tensor,
                 sampling: SamplingTensors | None) -> torch.Tensor | None:

@@ -169,10 +169,8 @@ class DSparkDrafter(nn.Module):
     def setup_caches(self, num_blocks: int, block_size: int) -> None:
         """Allocates each layer's paged context cache (the target's block count and size: the
         request's one block table serves both) in the drafter's dtype and device."""
-        c, weight = self.config, self.fc.weight
         for layer in self.layers:
-            layer.context_cache = PagedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                                               weight.dtype, weight.device)
+            layer.context_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, self.fc.weight)
         self.kv_block_size = block_size
 
     def drop_caches(self) -> None:

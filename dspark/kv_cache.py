@@ -93,6 +93,12 @@ class PagedKVCache(nn.Module):
         self.register_buffer("k_pool", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_pool", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    @classmethod
+    def for_model(cls, config, num_blocks: int, block_size: int, weight: torch.Tensor) -> PagedKVCache:
+        """A layer's pools for a model of this config (a TargetConfig or DrafterConfig), in the dtype
+        and on the device of its `weight`."""
+        return cls(num_blocks, block_size, config.num_key_value_heads, config.head_dim, weight.dtype, weight.device)
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B, T]; k, v: [B, H_kv, T, D]
         write_kv(self.k_pool, self.v_pool, slots.flatten(), k.transpose(1, 2).flatten(0, 1),

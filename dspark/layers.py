@@ -26,8 +26,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-# On CPU, torch's float32 GEMM takes a slow path for 2..7 rows: SmolLM2's LM head (576 x 49152) took
-# 33 ms for 7 rows, 18 ms for 8 and 10 ms for 1 on the 2-core development machine (torch 2.13).
+# On CPU, torch's float32 GEMM takes a slow path for 2..7 rows (python -m bench.decode_cpu): pad to 8.
 MIN_CPU_GEMM_ROWS = 8
 
 

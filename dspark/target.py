@@ -85,11 +85,8 @@ class TargetModel(nn.Module):
     def setup_caches(self, num_blocks: int, block_size: int) -> None:
         """Allocates a paged KV cache per layer (num_blocks blocks of block_size positions) in the
         model's dtype and device; forwards given a block table write to it and read from it."""
-        weight = self.embed_tokens.weight
-        c = self.config
         for layer in self.layers:
-            layer.kv_cache = PagedKVCache(num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                                          weight.dtype, weight.device)
+            layer.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, self.embed_tokens.weight)
         self.kv_block_size = block_size
 
     def drop_caches(self) -> None:
