@@ -29,7 +29,7 @@ from dspark.drafting import ancestral_draft, greedy_draft
 from dspark.kv_cache import KV_BLOCK_SIZE, contiguous_block_table
 from dspark.ops.verify import greedy_verify, verify
 from dspark.output import GenerationResult, StopCondition
-from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int
+from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int, token_logprobs
 from dspark.target import TargetModel
 
 VERIFY_METHODS = ("standard", "block")
@@ -197,20 +197,23 @@ class SpeculativeDecoder:
         """tokens: [B, K+1] (anchor, drafts); start: [B] position of the anchor;
         draft_probs: [B, K, V] proposals of the drafts; block_table: [B, M] the rows' KV blocks, which
         must hold positions start .. start+K (written here).
-        Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B]."""
+        Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B],
+        and when the batch wants them, the emitted tokens' log-probabilities (sampling.token_logprobs:
+        chosen [B, K+1], top ids and values [B, K+1, MAX_LOGPROBS]), else None."""
         k = self.k
         positions = start[:, None] + torch.arange(k + 1, device=start.device)
         logits, hidden = self.target(tokens, positions, block_table, hidden_layer_ids=self.layer_ids)
         emitted, num_accepted = self._verify(logits, tokens[:, 1:], draft_probs, sampling, start)
         if self.forced_num_accepted is not None:
             emitted, num_accepted = self._force_acceptance(tokens, logits)
+        logprobs = token_logprobs(logits, emitted) if sampling.wants_logprobs else None
         anchor = emitted.gather(1, num_accepted[:, None]).squeeze(1)
         next_start = start + num_accepted + 1
         if self.drafter is None:
-            return emitted, num_accepted, anchor[:, None], next_start
+            return emitted, num_accepted, anchor[:, None], next_start, logprobs
         self.drafter.append_context(hidden, positions, block_table)
         drafts = self.draft(anchor, next_start, draft_probs, sampling, block_table)
-        return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start
+        return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start, logprobs
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
                 sampling: SamplingTensors, offset: torch.Tensor):
@@ -267,6 +270,8 @@ class SpeculativeDecoder:
         stray = next((p for p in params if not isinstance(p, SamplingParams)), None)
         if stray is not None:
             raise ValueError(f"params must be SamplingParams, got {type(stray).__name__} {stray!r:.80}")
+        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
+            raise ValueError("logprobs and prompt_logprobs are returned by dspark.engine.Engine, not by generate")
         longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
         if longest > self.target.config.max_position_embeddings:
             raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
@@ -308,7 +313,7 @@ class SpeculativeDecoder:
         outputs = step(*args) if active.any() else None
         readback = None if outputs is None else Readback(*outputs[:2])
         while outputs is not None:
-            emitted, num_accepted, next_tokens, next_start = outputs
+            emitted, num_accepted, next_tokens, next_start, _ = outputs
             readback.start(emitted, num_accepted)
             # The next step's inputs, before this step's tokens are read: a row this step ends runs
             # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
@@ -366,33 +371,43 @@ class SpeculativeDecoder:
         for group in by_length.values():
             rows = torch.tensor(group, device=device)
             first[rows] = self.prefill(torch.tensor([prompts[i] for i in group], device=device), [0] * len(group),
-                                       block_table[rows], sampling_rows(sampling, rows))
+                                       block_table[rows], sampling_rows(sampling, rows))[0]
         return first
 
     def prefill(self, tokens: torch.Tensor, begins: list[int], block_table: torch.Tensor,
-                sampling: SamplingTensors | None) -> torch.Tensor | None:
+                sampling: SamplingTensors | None, next_tokens: torch.Tensor | None = None):
         """Runs one chunk of each row's prompt through the target into its KV blocks and the drafter's
         context; with `sampling` (the chunk ends the prompt), draws each row's first token.
 
         tokens: [B, L], row b's positions begins[b] .. begins[b]+L-1 (the positions before them are in
-        the cache already); block_table: [B, M] the rows' blocks -> the first tokens [B], or None.
+        the cache already); block_table: [B, M] the rows' blocks; next_tokens: [B, L], the token that
+        follows each position where one is known (-1 elsewhere), whose log-probabilities are wanted
+        (a prompt's). Returns the first tokens [B] (None without `sampling`) and the log-probabilities
+        (sampling.token_logprobs) of next_tokens at every position [B, L, ...], the first token's at
+        the last, or, without next_tokens, of the first tokens alone [B, 1, ...] when `sampling` wants
+        them; else None.
         """
         device = self.device
         length = tokens.shape[1]
         begin = torch.tensor(begins, device=device)
         positions = begin[:, None] + torch.arange(length, device=device)
-        last = torch.full((len(begins), 1), length - 1, device=device)
+        last = None if next_tokens is not None else torch.full((len(begins), 1), length - 1, device=device)
         with sdpa_kernel(PREFILL_ATTENTION):
             logits, hidden = self.target(tokens, positions, block_table, length=max(begins) + length,
                                          hidden_layer_ids=self.layer_ids, logits_at=last)
         if self.drafter is not None:
             self.drafter.append_context(hidden, positions, block_table)
-        if sampling is None:
-            return None
-        no_drafts = torch.empty(len(begins), 0, dtype=torch.long, device=device)
-        no_probs = torch.empty(len(begins), 0, logits.shape[-1], device=device)
-        emitted, _ = self._verify(logits, no_drafts, no_probs, sampling, begin + length - 1)
-        return emitted[:, 0]
+        first = None
+        if sampling is not None:
+            no_drafts = torch.empty(len(begins), 0, dtype=torch.long, device=device)
+            no_probs = torch.empty(len(begins), 0, logits.shape[-1], device=device)
+            first = self._verify(logits[:, -1:], no_drafts, no_probs, sampling, begin + length - 1)[0][:, 0]
+        if next_tokens is not None:
+            if first is not None:
+                next_tokens = torch.cat([next_tokens[:, :-1], first[:, None]], dim=1)
+            return first, token_logprobs(logits, next_tokens)
+        wanted = sampling is not None and sampling.wants_logprobs
+        return first, token_logprobs(logits, first[:, None]) if wanted else None
 
     @staticmethod
     def _hand_out(i: int, taken: list[int], results, active, on_tokens) -> None:

@@ -3,10 +3,16 @@ bookkeeping of emitted tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the target (raw log-softmax) and the likeliest tokens' (id, log-probability)."""
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -16,6 +22,8 @@ class GenerationResult:
     num_steps: int = 0  # decode steps after the prefill
     finish_reason: str = "length"  # "stop" (stop token or string), "length" (max_tokens); the engine adds "abort"
     finished: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs asks for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
 
 
 class StopCondition:

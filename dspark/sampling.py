@@ -1,8 +1,9 @@
-"""Per-request sampling parameters, their batched tensors, and the target-side filters.
+"""Per-request sampling parameters, their batched tensors, the target-side filters and the
+log-probabilities a request may ask for.
 
 Temperature alone changes no token set; top-k, top-p and min-p do. The filters run only when
 some request of the batch asks for one (`SamplingTensors.uses_filters`), so a temperature-only
-batch pays for no sort over the vocabulary.
+batch pays for no sort over the vocabulary; likewise log-probabilities (`wants_logprobs`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dspark.ops.temperature import scaled
 
 MAX_SEED = 2**63  # seeds are int64 Philox keys: [-MAX_SEED, MAX_SEED), as vLLM takes them
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs maximum)
 
 
 def _finite(value) -> bool:
@@ -33,7 +35,10 @@ def is_int(value) -> bool:
 class SamplingParams:
     """What one request asks for. A temperature below GREEDY_BELOW is greedy (vLLM's rule: dividing
     by it would overflow float32); `top_k=0`, `top_p=1` and `min_p=0` switch their filter off;
-    `seed=None` draws a fresh random seed when the request is batched."""
+    `seed=None` draws a fresh random seed when the request is batched. `logprobs=n` returns each
+    generated token's log-probability and the n likeliest alternatives' (0 <= n <= MAX_LOGPROBS),
+    `prompt_logprobs=n` the same for each prompt token after the first; both are the target's raw
+    log-softmax (before temperature and filters, vLLM's default)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -43,6 +48,8 @@ class SamplingParams:
     stop: str | list[str] | None = None  # normalised to a list of strings
     stop_token_ids: list[int] | None = None  # normalised to a list of ints
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not (_finite(self.temperature) and self.temperature >= 0):
@@ -67,6 +74,10 @@ class SamplingParams:
         self.stop_token_ids = list(stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +99,7 @@ class SamplingTensors:
     seed: torch.Tensor  # [B] int64
     uses_filters: bool = False  # some row needs apply_filters
     all_greedy: bool = False  # every row is greedy: drafting and verification need no noise
+    wants_logprobs: bool = False  # some row asks for its tokens' log-probabilities
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
@@ -105,6 +117,7 @@ class SamplingTensors:
             seed=tensor(seeds, torch.int64),
             uses_filters=any(p.uses_filters for p in params),
             all_greedy=all(p.greedy for p in params),
+            wants_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -136,3 +149,14 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     uses_filter = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))
     removed &= uses_filter.view(B, 1, 1)
     return logits.masked_fill(removed, float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw log-softmax of `logits` [B, N, V] (float32, NaN as -inf) at `tokens` [B, N] (a negative
+    id reads as id 0: padding), and its MAX_LOGPROBS likeliest tokens
+    -> chosen [B, N], top ids [B, N, MAX_LOGPROBS], top log-probabilities [B, N, MAX_LOGPROBS]."""
+    logits = logits.float()
+    logprobs = logits.masked_fill(logits.isnan(), float("-inf")).log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens.clamp(min=0)[..., None]).squeeze(-1)
+    top = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return chosen, top.indices, top.values

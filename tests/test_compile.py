@@ -51,7 +51,7 @@ def prefilled_runner(k=4):
     for slot, prompt in enumerate([[1, 2, 3], [5, 9, 11, 2], [4]]):
         blocks = [1 + 3 * slot, 2 + 3 * slot, 3 + 3 * slot]
         runner.set_blocks(slot, blocks)
-        runner.tokens[slot, 0] = runner.prefill([prompt], [0], [blocks], [params[slot]])[0]
+        runner.tokens[slot, 0] = runner.prefill([prompt], [0], [blocks], [params[slot]])[0][0]
         runner.start[slot] = len(prompt)
     runner.draft(range(4))
     return runner

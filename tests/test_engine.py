@@ -345,3 +345,40 @@ def test_a_cancelled_request_frees_its_blocks_and_slot(one_thread):
     assert engine.pool.num_free > held and engine.stats.finished == {"abort": 1}
     drain(engine, [keep])
     assert keep.result.tokens == target_greedy(target, [1, 2, 3], 20)
+
+
+@torch.inference_mode()
+def test_logprobs_are_the_targets_log_softmax_at_each_token(one_thread):
+    """A sampled request asking for logprobs and prompt_logprobs, its prompt entering in chunks of 5
+    and its tokens verified 4 drafts at a time: every prompt token after the first and every generated
+    token carries the target's raw log-softmax at its position (computed here by one plain forward),
+    with the likeliest alternatives in order. Its prompt is computed whole (the log-probabilities need
+    every position), while a request of the same prompt without them finds it cached."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = small_engine(target, drafter, num_blocks=60, max_num_batched_tokens=5)
+    prompt = [3, 9, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    asking = engine.submit(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True,
+                                                  logprobs=3, prompt_logprobs=2))
+    plain = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    drain(engine, [asking, plain])
+    ids = torch.tensor([prompt + asking.result.tokens])
+    logprobs = target(ids, torch.arange(ids.shape[1])[None])[0][0].log_softmax(-1)
+    entries = asking.result.prompt_logprobs[1:] + asking.result.logprobs
+    assert asking.result.prompt_logprobs[0] is None and len(entries) == ids.shape[1] - 1
+    for position, entry in enumerate(entries):
+        torch.testing.assert_close(entry.logprob, logprobs[position, ids[0, position + 1]].item(), atol=1e-5, rtol=0)
+        top = logprobs[position].topk(len(entry.top))
+        assert [i for i, _ in entry.top] == top.indices.tolist()
+        torch.testing.assert_close([v for _, v in entry.top], top.values.tolist(), atol=1e-5, rtol=0)
+    assert [len(e.top) for e in entries] == [2] * (len(prompt) - 1) + [3] * 12
+    assert asking.num_cached == 0 and plain.num_cached == 8 and plain.result.logprobs is None
+
+
+def test_logprobs_are_asked_in_range_and_of_the_engine():
+    for name in ("logprobs", "prompt_logprobs"):
+        for bad in (-1, 21, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int in \\[0, 20\\] or None"):
+                SamplingParams(**{name: bad})
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    with pytest.raises(ValueError, match="returned by dspark.engine.Engine, not by generate"):
+        SpeculativeDecoder(target, drafter).generate([[1, 2]], SamplingParams(logprobs=1))

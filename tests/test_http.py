@@ -87,8 +87,9 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, True]}, "prompt"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),  # OpenAI's completions take 0-5
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "echo": 1}, "echo"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
@@ -104,7 +105,7 @@ def test_a_stop_string_ends_the_text_before_it(server):
     ({"prompt": "x", "model": 3}, "model"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "colour": "blue"}, "colour"),
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 asks for the sampled tokens' logprobs
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "top_k": 2**63}, "top_k"),  # once overflowed in the engine thread and stopped it
@@ -137,8 +138,10 @@ def test_bad_completion_requests_get_a_400_naming_the_parameter(server, body, pa
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, None, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
      "messages[0].content[0].type"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, None, 400,
-     "logprobs is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None, 400,
+     "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     None, 400, "top_logprobs: Input should be less than or equal to 20"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "no route"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404, "'gpt-4' is not served here"),
 ])
@@ -157,6 +160,39 @@ def test_n_samples_stream_with_their_index_and_sum_their_usage(server):
     for chunk in events(text)[:-1]:
         streamed[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
     assert streamed == [c["text"] for c in whole["choices"]] and events(text)[-1]["usage"] == whole["usage"]
+
+
+def test_logprobs_stream_as_the_tokens_come_and_add_up_to_the_whole_answer(server):
+    """Completions with echo: the prompt's text and tokens first (the first token without a
+    log-probability), then the completion's, each token with its alternatives; the stream's chunks
+    carry the same columns, their text offsets counted on across chunks. A chat's logprobs likewise."""
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True}
+    _, whole = call(server.port, "/v1/completions", body)
+    choice, prompt = whole["choices"][0], server.engine.decoder.tokenizer.encode("Hello there")
+    columns = choice["logprobs"]
+    assert choice["text"].startswith("Hello there") and len(columns["tokens"]) == len(prompt) + 6
+    assert columns["token_logprobs"][0] is None and columns["top_logprobs"][0] is None
+    assert all(len(top) <= 2 and max(top.values()) >= lp for top, lp in
+               zip(columns["top_logprobs"][1:], columns["token_logprobs"][1:]))
+    assert columns["text_offset"] == [sum(map(len, columns["tokens"][:i])) for i in range(len(columns["tokens"]))]
+    _, text = call(server.port, "/v1/completions", {**body, "stream": True})
+    streamed = {key: [] for key in columns}
+    for chunk in events(text):
+        for key, value in (chunk["choices"][0]["logprobs"] or {}).items():
+            streamed[key] += value
+    assert streamed == columns and "".join(c["choices"][0]["text"] for c in events(text)) == choice["text"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "ignore_eos": True}
+    _, whole = call(server.port, "/v1/chat/completions", chat)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(c["top_logprobs"]) == 3 for c in content)
+    assert all(bytes(c["bytes"]).decode() == c["token"] for c in content)
+    _, text = call(server.port, "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [c for e in events(text) for c in (e["choices"][0]["logprobs"] or {"content": []})["content"]]
+    # the prompt is cached by now: its keys were computed in another order, so values agree to rounding
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content], abs=1e-5)
 
 
 def test_response_ids_are_random_not_counted(server):

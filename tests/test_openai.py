@@ -9,8 +9,10 @@ import time
 
 import openai as openai_client
 import pytest
+import torch
 
-from dspark import SamplingParams
+from dspark import SamplingParams, load_target
+from dspark.loading import default_gguf_path
 from dspark.output import StopCondition
 from dspark.serve.openai import (BadRequest, ChatCompletionRequest, CompletionRequest, Reply, TextStream,
                                  sample_params)
@@ -24,8 +26,9 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def default_server():
-    """The default model pair on a free port, with an API key."""
-    process = ServerProcess("--api-key", KEY, "--max-batch", "4")
+    """The default model pair on a free port, with an API key, in float32 (the log-probabilities test
+    computes the target's own in float32)."""
+    process = ServerProcess("--api-key", KEY, "--max-batch", "4", "--dtype", "float32")
     yield process
     assert process.stop() == 0
 
@@ -61,6 +64,35 @@ def test_a_chat_and_its_stream_give_the_same_text_at_temperature_0(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@torch.inference_mode()
+def test_logprobs_are_the_targets_log_softmax_computed_here(client, default_tokenizer):
+    """A completion of token ids at T = 0 with echo and 5 alternatives: its tokens are the target's
+    greedy continuation, and every token after the first carries the target's log-softmax at its
+    position, with the 5 likeliest tokens', as one plain float32 forward of the default target in this
+    process computes them (no cache, no speculation)."""
+    target = load_target(default_gguf_path())
+    prompt = default_tokenizer.encode("The capital of France is")
+    ids = list(prompt)
+    for _ in range(8):
+        ids.append(int(target(torch.tensor([ids]), torch.arange(len(ids))[None])[0][0, -1].argmax()))
+    logprobs = target(torch.tensor([ids]), torch.arange(len(ids))[None])[0][0].log_softmax(-1)
+    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0,
+                                       logprobs=5, echo=True, extra_body={"ignore_eos": True})
+    columns = answer.choices[0].logprobs
+    assert columns.tokens == [default_tokenizer.decode([i]) for i in ids]
+    assert columns.token_logprobs[0] is None and columns.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        assert columns.token_logprobs[position] == pytest.approx(logprobs[position - 1, ids[position]].item(), abs=1e-4)
+        top = logprobs[position - 1].topk(5)
+        want = {default_tokenizer.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+        assert columns.top_logprobs[position] == pytest.approx(want, abs=1e-4)
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "user", "content": "Hi"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
 
 
 def test_n_samples_of_one_prompt_are_indexed_and_streamed_with_their_index(client):

@@ -104,6 +104,7 @@ class StepRunner:
         rows = sampling_rows(self._sampling, index)
         rows.uses_filters = any(p.uses_filters for p in params)
         rows.all_greedy = all(p.greedy for p in params)
+        rows.wants_logprobs = any(p.logprobs is not None for p in params)
         return rows
 
     def _table(self, batch: int) -> torch.Tensor:
@@ -124,21 +125,23 @@ class StepRunner:
                                                     sampling, table, slots=index)
 
     def prefill(self, tokens: list[list[int]], begins: list[int], blocks: list[list[int]],
-                params: list[SamplingParams] | None) -> torch.Tensor | None:
+                params: list[SamplingParams] | None, next_tokens: list[list[int]] | None = None):
         """One chunk of each of some requests' prompts, all of one length (SpeculativeDecoder.prefill):
         tokens [n][L], each at positions begins[i] .. begins[i]+L-1, its request's blocks; with
-        `params` (the chunks end their prompts), the requests' first tokens [n]."""
+        `params` (the chunks end their prompts), the requests' first tokens [n]; with next_tokens
+        [n][L] (-1 where none), their log-probabilities. -> (first tokens, log-probabilities)."""
         self._check_caches()
         device = self.tokens.device
         table = torch.zeros(len(blocks), max(map(len, blocks)), dtype=torch.int32)
         for row, held in zip(table, blocks):
             row[:len(held)] = torch.tensor(held, dtype=torch.int32)
         sampling = None if params is None else SamplingTensors.from_params(params, device)
-        return self.decoder.prefill(torch.tensor(tokens, device=device), begins, table.to(device), sampling)
+        following = None if next_tokens is None else torch.tensor(next_tokens, device=device)
+        return self.decoder.prefill(torch.tensor(tokens, device=device), begins, table.to(device), sampling, following)
 
     def step(self, batch: int) -> tuple[torch.Tensor, ...]:
         """One step of slots 0 .. batch-1 (a bucket) -> emitted [b, K+1], num_accepted [b], next
-        tokens [b, K+1], next start [b] (see SpeculativeDecoder._step). It leaves tokens and start
+        tokens [b, K+1], next start [b], log-probabilities or None (see SpeculativeDecoder._step). It leaves tokens and start
         as they are; on CUDA graphs the outputs are the graph's and hold until the next step."""
         if batch not in self.buckets:
             raise ValueError(f"batch {batch} is not one of the buckets {self.buckets}")
@@ -147,7 +150,7 @@ class StepRunner:
                 self.sampling(slice(0, batch), self.params[:batch]), self._table(batch))
         if not self.cuda_graphs:
             return self.decoder.step(*args)
-        key = (batch, args[3].all_greedy, args[3].uses_filters)
+        key = (batch, args[3].all_greedy, args[3].uses_filters, args[3].wants_logprobs)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
         graph, outputs = self.graphs[key]

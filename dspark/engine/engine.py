@@ -34,7 +34,7 @@ from dspark.engine.request import Request, Status
 from dspark.engine.scheduler import Chunk, Scheduler
 from dspark.engine.stats import EngineStats
 from dspark.kv_cache import KV_BLOCK_SIZE, kv_cache_blocks
-from dspark.output import GenerationResult
+from dspark.output import GenerationResult, TokenLogprob
 from dspark.sampling import MAX_SEED, SamplingParams
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}  # prompt tokens per iteration (bench/prefill.py)
@@ -42,6 +42,13 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}  # prompt tokens per
 
 class EngineStopped(RuntimeError):
     """The engine has stopped (shut down, or a step failed): it takes no more requests."""
+
+
+def token_entries(logprobs: list | None, row: int, columns, top: int) -> list[TokenLogprob]:
+    """The TokenLogprob of `columns` of a row of read-back log-probabilities (chosen [B][N], top ids
+    and values [B][N][MAX_LOGPROBS]), with the `top` likeliest alternatives."""
+    chosen, ids, values = logprobs
+    return [TokenLogprob(chosen[row][j], list(zip(ids[row][j][:top], values[row][j][:top]))) for j in columns]
 
 
 class Engine:
@@ -74,7 +81,7 @@ class Engine:
         if kv_cache_memory is not None and not kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {kv_cache_memory}")
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(decoder.device.type, 2048)
+            max_num_batched_tokens = self.default_batched_tokens(decoder.device.type)
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if num_blocks is None:
@@ -95,6 +102,11 @@ class Engine:
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
         self.stopped = threading.Event()
         self.lock = threading.Lock()  # submit() queues nothing once `stopped` is set under it
+
+    @staticmethod
+    def default_batched_tokens(device_type: str) -> int:
+        """max_num_batched_tokens when none is given: DEFAULT_MAX_NUM_BATCHED_TOKENS of the device."""
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS.get(device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
 
     @property
     def capacity(self) -> int:
@@ -119,8 +131,10 @@ class Engine:
                              f"tokens in all)")
         if params.seed is None:
             params = dataclasses.replace(params, seed=random.SystemRandom().randrange(MAX_SEED))
-        request = Request(list(prompt), params, result=GenerationResult(accepted_per_position=[0] * self.decoder.k),
-                          events=queue.Queue() if events is None else events)
+        result = GenerationResult(accepted_per_position=[0] * self.decoder.k,
+                                  logprobs=None if params.logprobs is None else [],
+                                  prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        request = Request(list(prompt), params, result=result, events=queue.Queue() if events is None else events)
         request.stop = self.decoder.stop_condition(params, prompt)
         with self.lock:
             if self.stopped.is_set():
@@ -210,13 +224,16 @@ class Engine:
         for request in requests:
             runner.set_blocks(request.slot, request.blocks)
         batch = runner.bucket(1 + max(r.slot for r in requests))
-        emitted, num_accepted, next_tokens, next_start = runner.step(batch)
+        emitted, num_accepted, next_tokens, next_start, logprobs = runner.step(batch)
         emitted, num_accepted = emitted.tolist(), num_accepted.tolist()  # one copy each
+        logprobs = None if logprobs is None else [t.tolist() for t in logprobs]
         stats, k = self.stats, self.decoder.k
         stats.steps += 1
         for request in requests:
             slot = request.slot
             taken, accepted = request.stop.take_step(request.result, emitted[slot], num_accepted[slot])
+            if request.result.logprobs is not None:
+                request.result.logprobs += token_entries(logprobs, slot, range(len(taken)), request.params.logprobs)
             for position in range(accepted):
                 stats.accepted_per_position[position] += 1
             if k:
@@ -240,9 +257,14 @@ class Engine:
                 self.stats.queue_time.observe(now - chunk.request.arrival)
         fresh = [c.last and not c.request.result.tokens for c in chunks]
         params = [c.request.params for c in chunks] if any(fresh) else None
+        following = None
+        if any(c.request.needs_prompt_logprobs for c in chunks):  # each position's next prompt token
+            following = [[c.request.prompt[p + 1] if p + 1 < len(c.request.prompt) else -1
+                          for p in range(c.begin, c.end)] for c in chunks]
         try:
-            first = self.runner.prefill([c.request.tokens[c.begin:c.end] for c in chunks], [c.begin for c in chunks],
-                                        [c.request.blocks for c in chunks], params)
+            first, logprobs = self.runner.prefill([c.request.tokens[c.begin:c.end] for c in chunks],
+                                                  [c.begin for c in chunks], [c.request.blocks for c in chunks],
+                                                  params, following)
         except Exception as error:  # e.g. out of memory: these requests fail, the others go on
             for chunk in chunks:
                 self._count_finished("abort")
@@ -250,13 +272,21 @@ class Engine:
                 self.scheduler.finish(chunk.request)
             return []
         first = first.tolist() if first is not None else [None] * len(chunks)
+        logprobs = None if logprobs is None else [t.tolist() for t in logprobs]
         ready = []
-        for chunk, token, is_fresh in zip(chunks, first, fresh):
+        for row, (chunk, token, is_fresh) in enumerate(zip(chunks, first, fresh)):
             request = chunk.request
+            if request.needs_prompt_logprobs:  # position p's entry is prompt token p + 1's; those known stay
+                given = request.result.prompt_logprobs
+                columns = range(max(chunk.begin, len(given) - 1) - chunk.begin,
+                                min(chunk.end, len(request.prompt) - 1) - chunk.begin)
+                given += token_entries(logprobs, row, columns, request.params.prompt_logprobs)
             self.scheduler.computed(request, chunk.end)
             if not chunk.last:
                 continue
             if is_fresh:
+                if request.result.logprobs is not None:  # the first token's: the chunk's last position
+                    request.result.logprobs += token_entries(logprobs, row, [-1], request.params.logprobs)
                 request.first_token_at = time.monotonic()
                 self.stats.prompt_tokens += len(request.prompt)
                 self.stats.time_to_first_token.observe(request.first_token_at - request.arrival)

@@ -48,6 +48,12 @@ class Request:
         return self.prompt + self.result.tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prefill must give the prompt tokens' log-probabilities (not yet all given)."""
+        given = self.result.prompt_logprobs
+        return given is not None and len(given) < len(self.prompt)
+
+    @property
     def num_to_prefill(self) -> int:
         """The positions an admission computes: the prompt, or after a preemption every token but the
         newest, which is the anchor of the next step."""

@@ -129,9 +129,11 @@ class Scheduler:
     def _admit(self, request: Request) -> bool:
         """Holds the request's cached prefix and allocates the blocks for the rest of its prefill and
         its first step, if they are free. At least one position is left to compute (the prefill
-        draws the first token from its logits)."""
+        draws the first token from its logits); a request that wants its prompt's log-probabilities
+        computes them all."""
         pool, positions = self.pool, request.num_to_prefill
-        cached = pool.cached_prefix(self._keys(request, (positions - 1) // pool.block_size))
+        reusable = 0 if request.needs_prompt_logprobs else (positions - 1) // pool.block_size
+        cached = pool.cached_prefix(self._keys(request, reusable))
         fresh = pool.blocks_for(positions + self.lookahead) - len(cached)
         if fresh + sum(pool.refs[b] == 0 for b in cached) > pool.num_free:
             return False

@@ -8,10 +8,13 @@ tokens, e.g. Llama 3's BOS) / messages (roles system, developer, user, assistant
 text parts, joined by newlines; a message's name goes to the chat template), max_tokens (chat: also
 max_completion_tokens), temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
 skip_special_tokens = true (the text never holds special tokens), n (sample i of a seeded request
-draws with seed + i), stream, stream_options.include_usage, user. A temperature below 1e-5 is
+draws with seed + i), stream, stream_options.include_usage, user; logprobs (completions: 0-5
+alternatives; chat: with top_logprobs 0-20) and, on completions, echo (the prompt's text before the
+completion's, with its tokens' log-probabilities when logprobs is given). Log-probabilities are the
+target's raw log-softmax, before temperature and filters (vLLM's default, --logprobs-mode
+raw_logprobs), one per generated token (a stop token's included). A temperature below 1e-5 is
 greedy (vLLM's rule). The parameters in UNSUPPORTED are accepted only at their off values, which SDKs
-send by default; logprobs, top_logprobs and echo are typed fields refused when they ask for
-something (the engine does not return log-probabilities yet).
+send by default.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from dspark.output import GenerationResult
+from dspark.output import GenerationResult, TokenLogprob
 from dspark.sampling import MAX_SEED, SamplingParams
 from dspark.tokenizer import IncrementalDecoder
 
@@ -69,15 +72,6 @@ def _refuse_unless_off(value, info: ValidationInfo):
     if not asks_for_nothing(info.field_name, value):
         raise PydanticCustomError("unsupported", "{name} {value} is not supported by this server",
                                   {"name": info.field_name, "value": repr(value)[:60]})
-    return value
-
-
-def _refuse_logprobs(value, info: ValidationInfo):
-    """logprobs, top_logprobs and echo: typed and range-checked, refused while the engine returns
-    no log-probabilities."""
-    if value is not None and value is not False:
-        raise PydanticCustomError("unsupported", "{name} is not supported by this server yet",
-                                  {"name": info.field_name})
     return value
 
 
@@ -181,7 +175,18 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
-    _logprobs = field_validator("logprobs", "echo")(_refuse_logprobs)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(default_max_tokens)
+        params.logprobs = self.logprobs
+        params.prompt_logprobs = self.logprobs if self.echo else None
+        return params
+
+    def echo_text(self, tokenizer, prompt: list[int]) -> str:
+        """The text echo puts before the completion's: the prompt as given, or its tokens' text."""
+        if not self.echo:
+            return ""
+        return self.prompt if isinstance(self.prompt, str) else tokenizer.decode(prompt, skip_special_tokens=True)
 
     @field_validator("prompt")
     @classmethod
@@ -239,7 +244,13 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    _logprobs = field_validator("logprobs", "top_logprobs")(_refuse_logprobs)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("unsupported", "top_logprobs needs logprobs: true")
+        return value
 
     def prompt_ids(self, tokenizer) -> list[int]:
         return tokenizer.apply_chat_template([m.template_entry() for m in self.messages],
@@ -248,7 +259,12 @@ class ChatCompletionRequest(SamplingRequest):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        params = super().sampling_params(default_max_tokens)
+        params.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return params
+
+    def echo_text(self, tokenizer, prompt: list[int]) -> str:
+        return ""
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -300,6 +316,32 @@ class TextStream:
         return delta
 
 
+class Logprobs:
+    """Tokens and their log-probabilities in an answer's shape: chat's content list (token, logprob,
+    bytes, top_logprobs), or completions' columns (tokens, token_logprobs, top_logprobs, text_offset,
+    the offsets counted on from `offset`, the text before these tokens). A token's text is its own
+    decode, special tokens kept (as vLLM's)."""
+
+    def __init__(self, tokenizer, kind: str):
+        self.tokenizer, self.kind = tokenizer, kind
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def of(self, tokens: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict:
+        if self.kind == "chat":
+            def item(token: int, logprob: float) -> dict:
+                text = self.text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**item(t, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                                for t, e in zip(tokens, entries)]}
+        texts = [self.text(t) for t in tokens]
+        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {self.text(i): v for i, v in e.top} for e in entries],
+                "text_offset": offsets}
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -333,7 +375,7 @@ class Choice(BaseModel):
     (chat chunks)."""
     model_config = ConfigDict(extra="allow")
     index: int
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
 
 
@@ -371,19 +413,22 @@ class Reply:
                       "metrics": Metrics(speculative_decoding=speculation(results))}
         return Answer(id=self.id, object=name, created=self.created, model=self.model, choices=choices, **totals)
 
-    def response(self, texts: list[str], results: list[GenerationResult]) -> Answer:
+    def response(self, texts: list[str], results: list[GenerationResult], logprobs: list[dict | None]) -> Answer:
         key = "message" if self.kind == "chat" else "text"
-        return self._answer([Choice(index=i, finish_reason=r.finish_reason,
+        return self._answer([Choice(index=i, finish_reason=r.finish_reason, logprobs=lp,
                                     **{key: {"role": "assistant", "content": t} if self.kind == "chat" else t})
-                             for i, (t, r) in enumerate(zip(texts, results))], chunk=False, results=results)
+                             for i, (t, r, lp) in enumerate(zip(texts, results, logprobs))], chunk=False,
+                            results=results)
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
-        """One streamed chunk as JSON: sample `index`'s text (with role=True, the chat's opening chunk)."""
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> str:
+        """One streamed chunk as JSON: sample `index`'s text and its tokens' log-probabilities (with
+        role=True, the chat's opening chunk)."""
         if self.kind == "chat":
-            choice = Choice(index=index, finish_reason=finish_reason,
+            choice = Choice(index=index, finish_reason=finish_reason, logprobs=logprobs,
                             delta={"role": "assistant", "content": ""} if role else {"content": text} if text else {})
         else:
-            choice = Choice(index=index, text=text or "", finish_reason=finish_reason)
+            choice = Choice(index=index, text=text or "", finish_reason=finish_reason, logprobs=logprobs)
         return self._answer([choice], chunk=True).model_dump_json(
             exclude={"metrics"} if self.include_usage else {"usage", "metrics"})
 

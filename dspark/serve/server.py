@@ -145,12 +145,18 @@ def failure(error: Exception) -> tuple[int, dict]:
 
 
 class Generation:
-    """One HTTP request's engine requests (n samples of one prompt) and their texts as they grow."""
+    """One HTTP request's engine requests (n samples of one prompt), their texts as they grow and, when
+    asked for, their tokens' log-probabilities (`logprobs`); `echo`: the text before each sample's
+    (completions' echo), whose tokens (`prompt`) get their log-probabilities too."""
 
     def __init__(self, reply: openai.Reply, requests: list[EngineRequest], texts: list[openai.TextStream],
-                 events: asyncio.Queue):
+                 events: asyncio.Queue, logprobs: openai.Logprobs | None = None, echo: str = "",
+                 prompt: list[int] = ()):
         self.reply, self.requests, self.texts, self.events = reply, requests, texts, events
+        self.logprobs, self.echo, self.prompt = logprobs, echo, prompt
         self.tokens = [[] for _ in requests]
+        self.reported = [0] * len(requests)  # tokens whose log-probabilities the stream has sent
+        self.offsets = [len(echo)] * len(requests)  # completions' text_offset of the next token
 
     async def next(self) -> tuple[int, str, bool]:
         """(sample, its new text, whether it has finished) at its next event; raises the engine's error."""
@@ -160,6 +166,32 @@ class Generation:
         if event is not None:
             self.tokens[index] += event
         return index, self.texts[index].delta(self.tokens[index], finished=event is None), event is None
+
+    def echoed(self, result) -> tuple[list[int], list]:
+        """The prompt's tokens and log-probabilities, when echo gives them."""
+        if self.echo and result.prompt_logprobs is not None:
+            return list(self.prompt), result.prompt_logprobs
+        return [], []
+
+    def all_logprobs(self, index: int) -> dict | None:
+        """Sample `index`'s log-probabilities, echoed prompt first, for a whole answer."""
+        if self.logprobs is None:
+            return None
+        result = self.requests[index].result
+        tokens, entries = self.echoed(result)
+        return self.logprobs.of(tokens + self.tokens[index], entries + result.logprobs[:len(self.tokens[index])])
+
+    def new_logprobs(self, index: int) -> dict | None:
+        """The log-probabilities of sample `index`'s tokens the stream has not sent yet."""
+        if self.logprobs is None:
+            return None
+        sent, held = self.reported[index], len(self.tokens[index])
+        result = self.requests[index].result
+        part = self.logprobs.of(self.tokens[index][sent:held], result.logprobs[sent:held], self.offsets[index])
+        self.reported[index] = held
+        if "text_offset" in part:
+            self.offsets[index] += sum(map(len, part["tokens"]))
+        return part
 
     def abort(self, why: str | None) -> None:
         """Frees the slots of the samples still running; `why`: logged, in one line."""
@@ -186,23 +218,31 @@ class Generation:
             return JSONResponse(body, status_code=status)
         finally:
             left.cancel()
-        answer = self.reply.response([t.decoded for t in self.texts], [r.result for r in self.requests])
+        answer = self.reply.response([self.echo + t.decoded for t in self.texts], [r.result for r in self.requests],
+                                     [self.all_logprobs(i) for i in range(len(self.requests))])
         return Response(answer.model_dump_json(), media_type="application/json")
 
     async def stream(self):
-        """The server-sent events: for a chat, an opening chunk per sample; each sample's text as it
-        grows and its finish reason; the usage chunk if asked for; [DONE]. An engine error ends the
-        stream with an error event, then [DONE]."""
+        """The server-sent events: for a chat, an opening chunk per sample; for an echo, the prompt's
+        text per sample (at the sample's first event); each sample's text as it grows (with its new tokens' log-probabilities when
+        asked for) and its finish reason; the usage chunk if asked for; [DONE]. An engine error ends
+        the stream with an error event, then [DONE]."""
         reply, done = self.reply, False
         try:
             if reply.kind == "chat":
                 for index in range(len(self.requests)):
                     yield format_sse_event(data_str=reply.chunk(index, None, role=True))
-            finished = 0
+            finished, echoed = 0, [not self.echo] * len(self.requests)
             while finished < len(self.requests):
                 index, delta, end = await self.next()
-                if delta:
-                    yield format_sse_event(data_str=reply.chunk(index, delta))
+                if not echoed[index]:  # at its first event: its prompt's log-probabilities are in by then
+                    tokens, entries = self.echoed(self.requests[index].result)
+                    prompt = None if self.logprobs is None else self.logprobs.of(tokens, entries)
+                    yield format_sse_event(data_str=reply.chunk(index, self.echo, logprobs=prompt))
+                    echoed[index] = True
+                logprobs = self.new_logprobs(index) if len(self.tokens[index]) > self.reported[index] else None
+                if delta or logprobs:
+                    yield format_sse_event(data_str=reply.chunk(index, delta, logprobs=logprobs))
                 if end:
                     finished += 1
                     yield format_sse_event(data_str=reply.chunk(index, None, self.requests[index].result.finish_reason))
@@ -283,7 +323,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, a
         reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + requests[0].id, model_name,
                              len(prompt), body.include_usage)
         texts = [openai.TextStream(tokenizer, params.stop, r.stop.stop_ids, prompt) for r in requests]
-        generation = Generation(reply, requests, texts, events)
+        logprobs = None if params.logprobs is None else openai.Logprobs(tokenizer, kind)
+        generation = Generation(reply, requests, texts, events, logprobs, body.echo_text(tokenizer, prompt), prompt)
         if body.stream:
             return EventSourceResponse(generation.stream(), headers={"Cache-Control": "no-cache"})
         return await generation.whole(http)
