@@ -26,7 +26,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from bench.models import LLAMA3_8B, LLAMA3_8B_DRAFTER_LAYERS, SMOKE, SMOLLM2
+from bench.models import LLAMA3_8B, LLAMA3_8B_DRAFTER_LAYERS, SMOKE, SMOLLM2, built_on, random_target
 from bench.timing import emit_table, median_us
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetModel, load_drafter
 from dspark.drafter import partial_attention
@@ -44,8 +44,8 @@ def make_drafter(name: str, target: TargetModel) -> DSparkDrafter:
     config = DrafterConfig.for_target(target.config, **(LLAMA3_8B_DRAFTER_LAYERS if name == "llama3-8b" else dict(
         num_hidden_layers=1, block_size=7, target_layer_ids=[-1, 0], markov_rank=8, mask_token_id=1)))
     weight = target.embed_tokens.weight
-    drafter = DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
-    return drafter.to(weight.device, weight.dtype).eval()
+    with built_on(weight.device, weight.dtype):
+        return DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
 
 
 @contextlib.contextmanager
@@ -128,7 +128,7 @@ def run(names: list[str], contexts: list[int], batches: list[int], accepted: int
              "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         torch.manual_seed(0)
-        target = TargetModel(SMOKE if smoke else MODELS[name]).to(device, dtype).eval()
+        target = random_target(SMOKE if smoke else MODELS[name], device, dtype)
         for p in target.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
         drafter = make_drafter("smoke" if smoke else name, target)

@@ -1,5 +1,9 @@
 """Target shapes the benchmarks build with random weights (no model file needed)."""
-from dspark import TargetConfig
+import contextlib
+
+import torch
+
+from dspark import TargetConfig, TargetModel
 
 # SmolLM2-135M-Instruct's shapes: the default target's step, on the GPU
 SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -16,3 +20,22 @@ LLAMA3_8B = TargetConfig(vocab_size=128256, hidden_size=4096, intermediate_size=
 # its drafter's shapes, as DeepSpec builds one for an 8B target: 5 layers over 5 target layers
 LLAMA3_8B_DRAFTER_LAYERS = dict(num_hidden_layers=5, block_size=7, target_layer_ids=[1, 8, 15, 22, 29],
                                 markov_rank=64, mask_token_id=128002)
+
+
+@contextlib.contextmanager
+def built_on(device: torch.device, dtype: torch.dtype):
+    """Modules made inside are made on `device` in `dtype` (an 8B model made on the CPU in float32 first
+    would take 32 GB and minutes)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def random_target(config: TargetConfig, device: torch.device, dtype: torch.dtype) -> TargetModel:
+    """A target of `config`'s shapes with random weights."""
+    with built_on(device, dtype):
+        return TargetModel(config).eval()
