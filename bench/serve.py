@@ -14,8 +14,9 @@ Closed loop: `concurrency` clients each submit a held-out prompt, wait for the w
 and submit the next, until `--requests` completions are done; the engine (dspark.engine,
 no HTTP) runs in its own thread with `concurrency` batch slots. Per configuration: output tokens
 per second over the wall time, the mean request latency, and the mean acceptance length (tokens
-per step per request). Speculation off (K = 0) and on (the default drafter, K = 7, block
-verification) run at each concurrency and temperature, taking turns over `--rounds`.
+per step per request). Speculation off (K = 0), on at a fixed K (the default drafter, K = 7, block
+verification) and on with K chosen per step (dspark.engine.speculation) run at each concurrency and
+temperature, taking turns over `--rounds`.
 
     python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
 """
@@ -39,6 +40,7 @@ from dspark import SamplingParams, SpeculativeDecoder, load_default
 from dspark.data import heldout_prompts, render
 from dspark.loading import fast_dtype
 from dspark.engine import Engine
+from dspark.engine.speculation import default_choices
 from bench.timing import emit_table
 
 
@@ -78,14 +80,15 @@ def engine_load(args) -> None:
     dtype = fast_dtype(device)
     target, drafter, tokenizer = load_default(dtype=dtype, device=device)
     prompts = render(tokenizer, heldout_prompts())
-    decoders = {"off (K = 0)": SpeculativeDecoder(target, None),
-                "DSpark K = 7, block": SpeculativeDecoder(target, drafter, num_speculative_tokens=7,
-                                                          rejection_sample_method="block")}
+    block = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method="block")
+    decoders = {"off (K = 0)": (SpeculativeDecoder(target, None), None), "DSpark K = 7, block": (block, None),
+                "DSpark per-step K, block": (block, default_choices(7))}
     configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in decoders]
     results = {config: [] for config in configs}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for concurrency, temperature, name in configs:
-            engine = Engine(decoders[name], max_batch=concurrency, max_model_len=1024)
+            decoder, k_choices = decoders[name]
+            engine = Engine(decoder, max_batch=concurrency, max_model_len=1024, k_choices=k_choices)
             thread = threading.Thread(target=engine.run, daemon=True)
             thread.start()
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)

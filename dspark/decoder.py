@@ -161,7 +161,7 @@ class SpeculativeDecoder:
         self.forced_num_accepted = forced_num_accepted
         self.layer_ids = tuple(self.drafter.config.target_layer_ids) if self.drafter else ()
         self.compiled = compile
-        self.step = _compile_step(self._step) if compile else self._step
+        self._compiled_steps: dict[int, Callable] = {}  # per number of drafts verified
 
     @property
     def device(self) -> torch.device:
@@ -192,27 +192,39 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the static step
 
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor, sampling: SamplingTensors,
+             block_table: torch.Tensor, k: int | None = None):
+        """One step (`_step`), through torch.compile when the decoder compiles (a graph per k)."""
+        k = self.k if k is None else k
+        if not self.compiled:
+            return self._step(tokens, start, draft_probs, sampling, block_table, k)
+        if k not in self._compiled_steps:
+            self._compiled_steps[k] = _compile_step(functools.partial(self._step, k=k))
+        return self._compiled_steps[k](tokens, start, draft_probs, sampling, block_table)
+
     def _step(self, tokens: torch.Tensor, start: torch.Tensor, draft_probs: torch.Tensor,
-              sampling: SamplingTensors, block_table: torch.Tensor):
+              sampling: SamplingTensors, block_table: torch.Tensor, k: int):
         """tokens: [B, K+1] (anchor, drafts); start: [B] position of the anchor;
         draft_probs: [B, K, V] proposals of the drafts; block_table: [B, M] the rows' KV blocks, which
-        must hold positions start .. start+K (written here).
-        Returns emitted [B, K+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B],
+        must hold positions start .. start+k (written here). k <= K: the drafts verified (a prefix of
+        the block verifies losslessly; the drafter still drafts all K for the next step, but at k = 0
+        it drafts nothing: the next tokens keep the old drafts, which a later step may verify only
+        after they are drawn again from the new anchor).
+        Returns emitted [B, k+1] (-1 padded), num_accepted [B], next tokens [B, K+1], next start [B],
         and when the batch wants them, the emitted tokens' log-probabilities (sampling.token_logprobs:
-        chosen [B, K+1], top ids and values [B, K+1, MAX_LOGPROBS]), else None."""
-        k = self.k
+        chosen [B, k+1], top ids and values [B, k+1, MAX_LOGPROBS]), else None."""
         positions = start[:, None] + torch.arange(k + 1, device=start.device)
-        logits, hidden = self.target(tokens, positions, block_table, hidden_layer_ids=self.layer_ids)
-        emitted, num_accepted = self._verify(logits, tokens[:, 1:], draft_probs, sampling, start)
+        logits, hidden = self.target(tokens[:, :k + 1], positions, block_table, hidden_layer_ids=self.layer_ids)
+        emitted, num_accepted = self._verify(logits, tokens[:, 1:k + 1], draft_probs, sampling, start)
         if self.forced_num_accepted is not None:
-            emitted, num_accepted = self._force_acceptance(tokens, logits)
+            emitted, num_accepted = self._force_acceptance(tokens[:, :k + 1], logits)
         logprobs = token_logprobs(logits, emitted) if sampling.wants_logprobs else None
         anchor = emitted.gather(1, num_accepted[:, None]).squeeze(1)
         next_start = start + num_accepted + 1
         if self.drafter is None:
             return emitted, num_accepted, anchor[:, None], next_start, logprobs
         self.drafter.append_context(hidden, positions, block_table)
-        drafts = self.draft(anchor, next_start, draft_probs, sampling, block_table)
+        drafts = self.draft(anchor, next_start, draft_probs, sampling, block_table) if k else tokens[:, 1:]
         return emitted, num_accepted, torch.cat([anchor[:, None], drafts], dim=1), next_start, logprobs
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
@@ -241,8 +253,8 @@ class SpeculativeDecoder:
                                anchor, temperature, sampling.seed, start, slots, draft_probs)
 
     def _force_acceptance(self, tokens: torch.Tensor, logits: torch.Tensor):
-        """Accept exactly `forced_num_accepted` drafts, then the target's argmax."""
-        n = self.forced_num_accepted
+        """Accept exactly `forced_num_accepted` drafts (at most those verified), then the target's argmax."""
+        n = min(self.forced_num_accepted, tokens.shape[1] - 1)
         emitted = torch.full_like(tokens, -1)
         emitted[:, :n] = tokens[:, 1:n + 1]
         emitted[:, n] = logits[:, n].argmax(-1)

@@ -11,6 +11,7 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.engine import Engine, EngineStopped
+from dspark.engine.speculation import StepK, default_choices
 from dspark.serve.openai import speculation
 from test_decoder import target_greedy, tiny_pair
 
@@ -180,7 +181,7 @@ def test_a_failing_step_fails_every_request_and_stops_the_engine():
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     waiting = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
     engine.decoder.step = broken
@@ -382,3 +383,41 @@ def test_logprobs_are_asked_in_range_and_of_the_engine():
     target, drafter = tiny_pair(vocab=64, block_size=4)
     with pytest.raises(ValueError, match="returned by dspark.engine.Engine, not by generate"):
         SpeculativeDecoder(target, drafter).generate([[1, 2]], SamplingParams(logprobs=1))
+
+
+@torch.inference_mode()
+def test_greedy_output_is_the_targets_whatever_k_each_step_verifies(one_thread):
+    """Steps verifying 7, 0, 1, 3 drafts in turn (a step at 0 drafts nothing; the next one draws the
+    drafts again from its anchor): the target's greedy tokens, and the acceptance counted per step."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=7)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7), max_batch=3,
+                         k_choices=[0, 1, 3, 7])
+    cycle = iter([7, 0, 1, 3] * 100)
+    engine.speculation.choose = lambda bucket: next(cycle)
+    prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4]]
+    requests = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts]
+    drain(engine, requests)
+    for request, prompt in zip(requests, prompts):
+        assert request.result.tokens == target_greedy(target, prompt, 40)
+    stats = engine.stats
+    # draft blocks are counted per row and step: the steps at 0 verified none, those at 1 and 3 fewer than 7
+    assert stats.drafts < 3 * stats.steps and stats.draft_tokens < 7 * stats.drafts
+
+
+def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
+    step_k = StepK(7, [0, 1, 3, 7])
+    for k in (7, 3, 1, 0):  # nothing measured: the largest first
+        assert step_k.choose(4) == k  # each measured once
+        step_k.observe(4, k, {0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}[k], accepted=[min(k, 5)] * 8)  # accept ~ all but the 6th
+    assert 5 < step_k.expected_tokens(7) < 6 and step_k.choose(4) == 7  # about 5.6 / 2.0 beats 4 / 1.5
+    slow = StepK(7, [0, 1, 3, 7])
+    for k in (7, 3, 1, 0):
+        slow.choose(4)
+        slow.observe(4, k, {0: 1.0, 1: 1.9, 3: 2.5, 7: 4.0}[k], accepted=[0] * 8)  # drafts never accepted
+    assert slow.choose(4) == 0 and slow.choose(8) == 7  # another bucket is measured on its own
+    for _ in range(200):  # a choice not taken for a while is measured again
+        slow.observe(4, 0, 1.0, accepted=[])
+    assert slow.choose(4) == 7
+    with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
+        StepK(7, [8])
+    assert default_choices(7) == [0, 1, 3, 7] and default_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7

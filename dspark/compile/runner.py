@@ -1,6 +1,6 @@
 """The decode step over a static batch of slots, as the engine runs it: at the smallest batch-size
 bucket that holds the slots in use, and on CUDA replayed from a CUDA graph per (bucket, sampling
-variant); and the prompt chunks of a step, eager.
+variant, and number of drafts verified); and the prompt chunks of a step, eager.
 
 A slot is a row of the step's static tensors: tokens [S, K+1] (anchor, drafts), start [S], the
 proposals draft_probs [S, K, V], the sampling tensors and the block table [S, M] that says where the
@@ -17,6 +17,7 @@ then the recording) and replayed from then on; the graphs share one memory pool.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -139,25 +140,31 @@ class StepRunner:
         following = None if next_tokens is None else torch.tensor(next_tokens, device=device)
         return self.decoder.prefill(torch.tensor(tokens, device=device), begins, table.to(device), sampling, following)
 
-    def step(self, batch: int) -> tuple[torch.Tensor, ...]:
-        """One step of slots 0 .. batch-1 (a bucket) -> emitted [b, K+1], num_accepted [b], next
-        tokens [b, K+1], next start [b], log-probabilities or None (see SpeculativeDecoder._step). It leaves tokens and start
-        as they are; on CUDA graphs the outputs are the graph's and hold until the next step."""
+    def step(self, batch: int, k: int | None = None) -> tuple[torch.Tensor, ...]:
+        """One step of slots 0 .. batch-1 (a bucket) verifying k drafts (default all K) -> emitted
+        [b, k+1], num_accepted [b], next tokens [b, K+1], next start [b], log-probabilities or None
+        (see SpeculativeDecoder._step). It leaves tokens and start as they are; on CUDA graphs the
+        outputs are the graph's and hold until the next step."""
         if batch not in self.buckets:
             raise ValueError(f"batch {batch} is not one of the buckets {self.buckets}")
+        k = self.decoder.k if k is None else k
+        if not 0 <= k <= self.decoder.k:
+            raise ValueError(f"a step verifies 0 .. {self.decoder.k} drafts, not {k}")
         self._check_caches()
         args = (self.tokens[:batch], self.start[:batch], self.draft_probs[:batch],
                 self.sampling(slice(0, batch), self.params[:batch]), self._table(batch))
+        step = functools.partial(self.decoder.step, k=k)
         if not self.cuda_graphs:
-            return self.decoder.step(*args)
-        key = (batch, args[3].all_greedy, args[3].uses_filters, args[3].wants_logprobs)
+            return step(*args)
+        sampling = args[3]
+        key = (batch, k, sampling.all_greedy, sampling.uses_filters, sampling.wants_logprobs)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(args)
+            self.graphs[key] = self._capture(step, args)
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
-    def _capture(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        graph, outputs = capture_step(self.decoder.step, args, self.draft_probs, self._pool)
+    def _capture(self, step, args: tuple) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        graph, outputs = capture_step(step, args, self.draft_probs, self._pool)
         self._pool = graph.pool()
         return graph, outputs

@@ -32,6 +32,7 @@ from dspark.decoder import SpeculativeDecoder
 from dspark.engine.kv_blocks import BlockPool
 from dspark.engine.request import Request, Status
 from dspark.engine.scheduler import Chunk, Scheduler
+from dspark.engine.speculation import StepK
 from dspark.engine.stats import EngineStats
 from dspark.kv_cache import KV_BLOCK_SIZE, kv_cache_blocks
 from dspark.output import GenerationResult, TokenLogprob
@@ -58,14 +59,16 @@ class Engine:
     completion tokens per request; block_size: positions per KV block; num_blocks: the KV cache's
     blocks (default: sized by kv_cache_blocks from gpu_memory_utilization or kv_cache_memory GiB);
     max_num_batched_tokens: prompt tokens per iteration; enable_prefix_caching: reuse the cached
-    blocks of a prompt's prefix; cuda_graphs: replay the decode step from CUDA graphs (default on CUDA).
+    blocks of a prompt's prefix; k_choices: the drafts a step may verify, chosen per step
+    (dspark.engine.speculation; default: the decoder's K, fixed); cuda_graphs: replay the decode step
+    from CUDA graphs (default on CUDA).
     """
 
     def __init__(self, decoder: SpeculativeDecoder, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  cuda_graphs: bool | None = None, *, max_batch: int | None = None, block_size: int = KV_BLOCK_SIZE,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory: float | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, k_choices: list[int] | None = None):
         if None not in (max_num_seqs, max_batch) and max_num_seqs != max_batch:
             raise ValueError(f"max_num_seqs={max_num_seqs} and its alias max_batch={max_batch} disagree")
         max_num_seqs = next((n for n in (max_num_seqs, max_batch) if n is not None), 8)
@@ -97,6 +100,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead=decoder.k + 1)
         self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
+        self.speculation = StepK(decoder.k, [decoder.k] if k_choices is None or decoder.drafter is None else k_choices)
+        self.stale_drafts: set[int] = set()  # slots whose drafts a step that verified none left from an older anchor
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.incoming: queue.Queue[Request | None] = queue.Queue()  # from submit(), for the engine's thread
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
@@ -224,10 +229,18 @@ class Engine:
         for request in requests:
             runner.set_blocks(request.slot, request.blocks)
         batch = runner.bucket(1 + max(r.slot for r in requests))
-        emitted, num_accepted, next_tokens, next_start, logprobs = runner.step(batch)
+        k = self.speculation.choose(batch)
+        began = time.perf_counter()
+        if k and self.stale_drafts:
+            runner.draft(sorted(self.stale_drafts))
+            self.stale_drafts.clear()
+        emitted, num_accepted, next_tokens, next_start, logprobs = runner.step(batch, k)
         emitted, num_accepted = emitted.tolist(), num_accepted.tolist()  # one copy each
+        self.speculation.observe(batch, k, time.perf_counter() - began, [num_accepted[r.slot] for r in requests])
+        if not k and self.decoder.drafter is not None:
+            self.stale_drafts.update(r.slot for r in requests)
         logprobs = None if logprobs is None else [t.tolist() for t in logprobs]
-        stats, k = self.stats, self.decoder.k
+        stats = self.stats
         stats.steps += 1
         for request in requests:
             slot = request.slot
@@ -315,6 +328,7 @@ class Engine:
     def _vacate(self, request: Request) -> None:
         """Frees the request's slot: its row reads and writes the null block from now on."""
         self.slots[request.slot] = None
+        self.stale_drafts.discard(request.slot)
         self.runner.set_blocks(request.slot, [])
         self.runner.start[request.slot] = 0
         request.slot = None

@@ -85,7 +85,7 @@ def verify_torch(target_logits, draft_tokens, draft_probs, slots, temperature, s
     K = K1 - 1
     scaled = _scaled(target_logits, temperature)  # [B, K+1, V]
     probs = (scaled - scaled.logsumexp(dim=-1, keepdim=True)).exp()
-    proposals = draft_probs[slots]  # [B, K, V]
+    proposals = draft_probs[slots, :K]  # [B, K, V]
     drafts = draft_tokens.unsqueeze(-1)
     p_draft = probs[:, :K].gather(-1, drafts).squeeze(-1)  # [B, K]
     q_draft = proposals.gather(-1, drafts).squeeze(-1)
@@ -167,7 +167,7 @@ def _stats_kernel(logits_ptr, temperature_ptr, chunk_max_ptr, chunk_sum_ptr, chu
 @triton.jit
 def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_stride, draft_probs_ptr, slots_ptr,
                    temperature_ptr, seed_ptr, offset_ptr, chunk_max_ptr, chunk_sum_ptr, chunk_arg_ptr, lse_ptr,
-                   argmax_ptr, rho_ptr, num_accepted_ptr, V, NUM_CHUNKS, K: tl.constexpr, ROWS_POW2: tl.constexpr,
+                   argmax_ptr, rho_ptr, num_accepted_ptr, V, KD, NUM_CHUNKS, K: tl.constexpr, ROWS_POW2: tl.constexpr,
                    CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Per request, all K+1 positions at once: each row's lse and (for greedy rows) argmax from the
     chunk statistics, then the greedy or standard accepted count; for block verification the capped
@@ -193,7 +193,7 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_str
 
     d = tl.load(draft_tokens_ptr + b * draft_row_stride + i * draft_col_stride, mask=is_draft, other=0)
     p = tl.exp(_load_scaled(logits_ptr + row.to(tl.int64) * V + d, is_draft, temperature) - lse)
-    q = tl.load(draft_probs_ptr + (slot * K + i) * V + d, mask=is_draft, other=0.0)
+    q = tl.load(draft_probs_ptr + (slot * KD + i) * V + d, mask=is_draft, other=0.0)
     if BLOCK:
         ratio = tl.where(q > 0, p / q, 0.0)
         rho = tl.full([], 1.0, tl.float32)
@@ -212,7 +212,7 @@ def _accept_kernel(logits_ptr, draft_tokens_ptr, draft_row_stride, draft_col_str
 
 @triton.jit
 def _residual_mass_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, lse_ptr, rho_ptr, mass_ptr,
-                          V, K: tl.constexpr, CHUNK: tl.constexpr):
+                          V, KD, K: tl.constexpr, CHUNK: tl.constexpr):
     """Per (request, position 1 <= i < K, chunk): the chunk's part of Z_i."""
     pid, c = tl.program_id(0), tl.program_id(1)
     b, i = pid // (K - 1), pid % (K - 1) + 1
@@ -224,7 +224,7 @@ def _residual_mass_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_pt
     cols = c * CHUNK + tl.arange(0, CHUNK)
     s = _load_scaled(logits_ptr + row.to(tl.int64) * V + cols, cols < V, temperature)
     p = tl.exp(s - tl.load(lse_ptr + row))
-    q = tl.load(draft_probs_ptr + (slot * K + i) * V + cols, mask=cols < V, other=0.0)
+    q = tl.load(draft_probs_ptr + (slot * KD + i) * V + cols, mask=cols < V, other=0.0)
     w = tl.maximum(tl.load(rho_ptr + row) * p - q, 0.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(mass_ptr + pid * tl.num_programs(1) + c, tl.sum(w))
 
@@ -256,7 +256,7 @@ def _block_length_kernel(temperature_ptr, seed_ptr, offset_ptr, rho_ptr, mass_pt
 
 @triton.jit
 def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, seed_ptr, offset_ptr, lse_ptr,
-                     rho_ptr, num_accepted_ptr, best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, V,
+                     rho_ptr, num_accepted_ptr, best_w_ptr, arg_w_ptr, best_p_ptr, arg_p_ptr, V, KD,
                      K: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Per (sampled request, chunk): exponential-race candidates at row n = accepted count, once from
     the residual w = max(scale * p - q, 0) and once from p (the fallback when w has no mass)."""
@@ -270,7 +270,7 @@ def _resample_kernel(logits_ptr, draft_probs_ptr, slots_ptr, temperature_ptr, se
     cols = c * CHUNK + tl.arange(0, CHUNK)
     s = _load_scaled(logits_ptr + row.to(tl.int64) * V + cols, cols < V, temperature)
     p = tl.exp(s - tl.load(lse_ptr + row))
-    q = tl.load(draft_probs_ptr + (slot * K + n) * V + cols, mask=(cols < V) & (n < K), other=0.0)
+    q = tl.load(draft_probs_ptr + (slot * KD + n) * V + cols, mask=(cols < V) & (n < K), other=0.0)
     scale = 1.0
     if BLOCK:
         scale = tl.where(n < K, tl.load(rho_ptr + row), 1.0)
@@ -341,21 +341,22 @@ def launch_verify(wrap, target_logits, draft_tokens, draft_probs, slots, tempera
 
     wrap(_stats_kernel)[(B * K1, num_chunks)](
         target_logits, temperature, chunk_max, chunk_sum, chunk_arg, V, ROWS=K1, CHUNK=chunk, num_warps=4)
+    KD = draft_probs.shape[1]
     wrap(_accept_kernel)[(B,)](
-        target_logits, *request, chunk_max, chunk_sum, chunk_arg, lse, argmax, rho, num_accepted, V, num_chunks,
+        target_logits, *request, chunk_max, chunk_sum, chunk_arg, lse, argmax, rho, num_accepted, V, KD, num_chunks,
         K=K, ROWS_POW2=triton.next_power_of_2(K1), CHUNKS_POW2=chunks_pow2, BLOCK=block, num_warps=2)
     if block:
         mass = torch.empty(B, max(K - 1, 0), num_chunks, **f32)
         if K > 1:
             wrap(_residual_mass_kernel)[(B * (K - 1), num_chunks)](
-                target_logits, draft_probs, slots, temperature, lse, rho, mass, V, K=K, CHUNK=chunk,
+                target_logits, draft_probs, slots, temperature, lse, rho, mass, V, KD, K=K, CHUNK=chunk,
                 num_warps=8)
         wrap(_block_length_kernel)[(B,)](
             temperature, seed, offset, rho, mass, num_accepted, num_chunks, K=K, CHUNKS_POW2=chunks_pow2,
             num_warps=1)
     wrap(_resample_kernel)[(B, num_draws)](
         target_logits, draft_probs, slots, temperature, seed, offset, lse, rho, num_accepted,
-        best_w, arg_w, best_p, arg_p, V, K=K, CHUNK=resample_chunk, BLOCK=block, num_warps=4)
+        best_w, arg_w, best_p, arg_p, V, KD, K=K, CHUNK=resample_chunk, BLOCK=block, num_warps=4)
     wrap(_emit_kernel)[(B,)](
         draft_tokens, *draft_tokens.stride(), temperature, argmax, num_accepted, best_w, arg_w, best_p, arg_p, emitted,
         num_draws, K=K, CHUNKS_POW2=draws_pow2, EMIT_POW2=triton.next_power_of_2(K1), num_warps=1)
@@ -372,8 +373,9 @@ def _check_inputs(target_logits, draft_tokens, draft_probs, slots, temperature, 
     if tuple(draft_tokens.shape) != (B, K1 - 1) or draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be [{B}, {K1 - 1}] int64, got "
                          f"{tuple(draft_tokens.shape)} {draft_tokens.dtype}")
-    if tuple(draft_probs.shape[1:]) != (K1 - 1, V) or draft_probs.dtype != torch.float32:
-        raise ValueError(f"draft_probs must be [S, {K1 - 1}, {V}] float32, got "
+    if draft_probs.dim() != 3 or draft_probs.shape[1] < K1 - 1 or draft_probs.shape[2] != V \
+            or draft_probs.dtype != torch.float32:
+        raise ValueError(f"draft_probs must be [S, >= {K1 - 1}, {V}] float32, got "
                          f"{tuple(draft_probs.shape)} {draft_probs.dtype}")
     check_rows(B, slots=(slots, torch.int64), temperature=(temperature, torch.float32),
                seed=(seed, torch.int64), offset=(offset, torch.int64))
@@ -387,7 +389,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
 
     target_logits [B, K+1, V] float32/bfloat16, filtered but not divided by T; draft_tokens [B, K] int64
     (any strides: the decoder passes its token block's tokens[:, 1:]);
-    draft_probs [S, K, V] float32, the proposals of request b at slot slots[b]; slots, seed, offset [B]
+    draft_probs [S, Kd >= K, V] float32, the proposals of request b's drafts at slot slots[b] (its first K:
+    a step may verify fewer drafts than were drawn); slots, seed, offset [B]
     int64; temperature [B] float32, 0 = greedy; block selects block verification.
     Returns emitted [B, K+1] int64 (padded with -1) and num_accepted [B] int64.
     Shapes, dtypes and strides are checked; values are not (that would sync with the host): draft

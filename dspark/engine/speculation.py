@@ -1,0 +1,69 @@
+"""How many drafts each decode step verifies: the K that maximises the tokens per second the step is
+expected to give, from the acceptance the engine measures and the step costs it measures per
+(bucket, K).
+
+Verifying a prefix of the drafted block is lossless for any prefix length, so K may change from
+one step to the next without changing what a request's tokens are distributed as (greedy output
+stays the target's greedy tokens). A step at K costs the target a forward over K + 1 tokens per row
+and the drafter its block; it yields 1 + a_0 + a_0 a_1 + ... (K terms) tokens per row on average,
+a_i the chance that draft i is accepted when the ones before it were. At a large batch the target's
+forward is bound by its arithmetic, and verifying fewer drafts can be faster (vLLM's users report
+speculation slower than none at high batch).
+
+The estimates: a_i from counts of verified and accepted drafts, decayed each step so they follow
+the traffic; a step's cost as an exponential average of its wall time per (bucket, K), each choice
+measured once before the first comparison and again after DRIFT steps without it.
+"""
+from __future__ import annotations
+
+PRIOR = (1.0, 0.5)  # pseudo-counts (verified, accepted) of each position before any is measured
+DECAY = 0.99  # per step: the counts' memory is about a hundred steps
+COST_WEIGHT = 0.2  # a new cost measurement's weight in its average
+DRIFT = 200  # steps after which a choice not taken is measured again
+
+
+def default_choices(k: int) -> list[int]:
+    """0 (no speculation), 1, 3 and the drafter's K, those up to K."""
+    return sorted({c for c in (0, 1, 3, k) if c <= k})
+
+
+class StepK:
+    """Chooses each step's K among `choices` (one choice: a fixed K)."""
+
+    def __init__(self, k: int, choices: list[int]):
+        if not choices or any(not 0 <= c <= k for c in choices):
+            raise ValueError(f"the drafts a step verifies must be in [0, {k}], got {choices}")
+        self.choices = sorted(set(choices))
+        self.verified, self.accepted = [PRIOR[0]] * k, [PRIOR[1]] * k
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
+        self.last_taken: dict[tuple[int, int], int] = {}
+        self.steps = 0
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row is expected to gain from a step verifying k drafts."""
+        tokens, reach = 1.0, 1.0
+        for i in range(k):  # (a tiny share of the prior keeps a long-unmeasured position's rate defined)
+            reach *= (self.accepted[i] + 1e-9 * PRIOR[1]) / (self.verified[i] + 1e-9 * PRIOR[0])
+            tokens += reach
+        return tokens
+
+    def choose(self, bucket: int) -> int:
+        if len(self.choices) == 1:
+            return self.choices[0]
+        stale = [k for k in self.choices if self.steps - self.last_taken.get((bucket, k), -DRIFT) >= DRIFT]
+        if stale:  # the largest first: it measures every position's acceptance
+            return max(stale)
+        return max(self.choices, key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
+
+    def observe(self, bucket: int, k: int, seconds: float, accepted: list[int]) -> None:
+        """A step of `bucket` verified k drafts in `seconds`; `accepted`: each row's accepted count."""
+        self.steps += 1
+        key = (bucket, k)
+        self.cost[key] = seconds if key not in self.cost else (1 - COST_WEIGHT) * self.cost[key] + COST_WEIGHT * seconds
+        self.last_taken[key] = self.steps
+        self.verified = [DECAY * v for v in self.verified]
+        self.accepted = [DECAY * a for a in self.accepted]
+        for n in accepted:
+            for i in range(min(n + 1, k)):  # drafts 0 .. n verified with all before them accepted
+                self.verified[i] += 1
+                self.accepted[i] += i < n
