@@ -421,3 +421,24 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
         StepK(7, [8])
     assert default_choices(7) == [0, 1, 3, 7] and default_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
+
+
+@torch.inference_mode()
+def test_a_request_with_a_seed_draws_the_same_tokens_whatever_k_the_engine_would_choose(one_thread):
+    """Its steps verify all K, so its tokens are those of a fixed-K engine; a request without a seed
+    in the same engine takes the K chosen per step."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=7)
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=11, ignore_eos=True)
+    fixed = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7))
+    alone = fixed.submit([2, 7, 1], params)
+    drain(fixed, [alone])
+    adaptive = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7), k_choices=[0, 1, 3, 7])
+    chosen = []
+    adaptive.speculation.choose = lambda bucket: chosen.append(1) or 1
+    unseeded = adaptive.submit([2, 7, 1], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True))
+    drain(adaptive, [unseeded])
+    assert chosen and unseeded.result.accepted_per_position[1:] == [0] * 6  # its steps verified one draft
+    chosen.clear()
+    seeded = adaptive.submit([2, 7, 1], params)
+    drain(adaptive, [seeded])
+    assert seeded.result.tokens == alone.result.tokens and not chosen

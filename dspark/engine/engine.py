@@ -14,7 +14,10 @@ A request's noise is keyed by its seed and its sequence positions only (Philox; 
 submission when the request has none), so its output does not depend on its slot, its blocks or the
 other requests in the batch, as far as the arithmetic does not: on the CPU it does not (tested); on
 CUDA the rounding can change with the bucket's size (cuBLAS picks its kernels by shape, and small
-batches add the Markov bias inside the drafting step), so a near tie can break another way.
+batches add the Markov bias inside the drafting step), so a near tie can break another way. Which
+tokens a sampled request draws depends on how many drafts each of its steps verifies (the law does
+not), so when K is chosen per step, a step with a request that came with a seed of its own verifies
+all K: the same seed gives the same tokens.
 """
 from __future__ import annotations
 
@@ -134,12 +137,14 @@ class Engine:
             raise ValueError(f"prompt length {len(prompt)} + max_tokens {params.max_tokens} exceeds the "
                              f"maximum model length {self.max_model_len} (the KV cache holds {self.capacity} "
                              f"tokens in all)")
-        if params.seed is None:
+        seeded = params.seed is not None
+        if not seeded:
             params = dataclasses.replace(params, seed=random.SystemRandom().randrange(MAX_SEED))
         result = GenerationResult(accepted_per_position=[0] * self.decoder.k,
                                   logprobs=None if params.logprobs is None else [],
                                   prompt_logprobs=None if params.prompt_logprobs is None else [None])
-        request = Request(list(prompt), params, result=result, events=queue.Queue() if events is None else events)
+        request = Request(list(prompt), params, result=result, events=queue.Queue() if events is None else events,
+                          seeded=seeded)
         request.stop = self.decoder.stop_condition(params, prompt)
         with self.lock:
             if self.stopped.is_set():
@@ -229,7 +234,7 @@ class Engine:
         for request in requests:
             runner.set_blocks(request.slot, request.blocks)
         batch = runner.bucket(1 + max(r.slot for r in requests))
-        k = self.speculation.choose(batch)
+        k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch)
         began = time.perf_counter()
         if k and self.stale_drafts:
             runner.draft(sorted(self.stale_drafts))

@@ -33,6 +33,7 @@ class Request:
     first_token_at: float | None = None
     stop: StopCondition | None = None
     cancelled: bool = False  # set by the client's side (it went away): the engine frees its blocks and slot
+    seeded: bool = False  # it came with a seed of its own: its steps verify all K drafts (see Engine)
     # the engine's state
     status: Status = Status.WAITING
     blocks: list[int] = field(default_factory=list)  # KV blocks: position p is in blocks[p // block_size]
