@@ -70,8 +70,8 @@ MUTANTS = [
             (DECODER, "standard-0.7"), (ENGINE, "")]),
     Mutant("noise-reuse", "a step's verification keyed by the position before its anchor: the noise of the "
                           "step before (or of the prefill) is drawn again when that step accepted no draft",
-           [("dspark/decoder.py", "self._verify(logits, tokens[:, 1:], draft_probs, sampling, start)",
-             "self._verify(logits, tokens[:, 1:], draft_probs, sampling, start - 1)")],
+           [("dspark/decoder.py", "draft_probs, sampling, start)\n        if self.forced_num_accepted is not None:",
+             "draft_probs, sampling, start - 1)\n        if self.forced_num_accepted is not None:")],
            [(DECODER, "standard-1.0-1.0-1"), (ENGINE, "")]),
     Mutant("top-p-on-drafts", "top-p applied to the drafter's logits instead of the target's (the prefill's "
                               "first token keeps it)",
