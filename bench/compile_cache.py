@@ -23,7 +23,7 @@ import torch
 
 from bench.timing import emit_table
 from dspark.compile.cache import load_compile_cache
-from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
+from dspark.compile.options import add_model_args, build_decoder, compiled_step_options, k_choices
 from dspark.compile.warmup import TIMING_LINE, serving_runner, timing_line, warm_up
 
 
@@ -40,7 +40,7 @@ def cached_steps(args: argparse.Namespace) -> None:
     """The child that loads the cache, then steps as the warm-up does (printing as it prints)."""
     decoder, _ = build_decoder(args, compile=True)
     load_compile_cache(args.load, decoder.device, compiled_step_options(args, decoder))
-    for name, batch, seconds in warm_up(serving_runner(args, decoder)):
+    for name, batch, seconds in warm_up(serving_runner(args, decoder), k_choices(args, decoder)):
         print(timing_line(name, batch, seconds), flush=True)
 
 

@@ -40,7 +40,7 @@ from dspark import SamplingParams, SpeculativeDecoder, load_default
 from dspark.data import heldout_prompts, render
 from dspark.loading import fast_dtype
 from dspark.engine import Engine
-from dspark.engine.speculation import default_choices
+from dspark.compile.runner import default_k_choices
 from bench.timing import emit_table
 
 
@@ -82,7 +82,7 @@ def engine_load(args) -> None:
     prompts = render(tokenizer, heldout_prompts())
     block = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method="block")
     decoders = {"off (K = 0)": (SpeculativeDecoder(target, None), None), "DSpark K = 7, block": (block, None),
-                "DSpark per-step K, block": (block, default_choices(7))}
+                "DSpark per-step K, block": (block, default_k_choices(7))}
     configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in decoders]
     results = {config: [] for config in configs}
     for round_ in range(args.rounds + 1):  # round 0 warms up

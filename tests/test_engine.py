@@ -11,7 +11,8 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.engine import Engine, EngineStopped
-from dspark.engine.speculation import StepK, default_choices
+from dspark.compile.runner import default_k_choices
+from dspark.engine.speculation import StepK
 from dspark.serve.openai import speculation
 from test_decoder import target_greedy, tiny_pair
 
@@ -420,7 +421,7 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     assert slow.choose(4) == 7
     with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
         StepK(7, [8])
-    assert default_choices(7) == [0, 1, 3, 7] and default_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
+    assert default_k_choices(7) == [0, 1, 3, 7] and default_k_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
 
 
 @torch.inference_mode()
@@ -442,3 +443,30 @@ def test_a_request_with_a_seed_draws_the_same_tokens_whatever_k_the_engine_would
     seeded = adaptive.submit([2, 7, 1], params)
     drain(adaptive, [seeded])
     assert seeded.result.tokens == alone.result.tokens and not chosen
+
+
+@torch.inference_mode()
+def test_a_long_mixed_run_compiles_nothing_after_the_warm_up(one_thread, monkeypatch):
+    """A compiled engine choosing K per step, warmed up (every bucket, sampling variant and K): then
+    twenty requests of other lengths and sampling parameters, joining and leaving, their prompts in
+    chunks, K changing step to step, compile no step again (Dynamo's graphs counted; its eager
+    backend, as what is counted is Dynamo's compilations, not Inductor's code)."""
+    from torch._dynamo.utils import counters
+    from dspark.compile.warmup import warm_up
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compile_(fn, **{**options, "backend": "eager"}))
+    torch._dynamo.reset()
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4, compile=True), max_batch=2,
+                         k_choices=[0, 2, 4], max_num_batched_tokens=8)
+    warm_up(engine.runner, [0, 2, 4])
+    graphs = counters["stats"]["unique_graphs"]
+    cycle = iter([4, 0, 2] * 1000)
+    engine.speculation.choose = lambda bucket: next(cycle)
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True)]
+    requests = [engine.submit([1 + i % 7] * (2 + i % 11), params[i % 3]) for i in range(20)]
+    drain(engine, requests)
+    assert all(len(r.result.tokens) == r.params.max_tokens for r in requests)
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from dspark.compile.runner import default_k_choices
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.generate import add_model_args as add_model_source_args
 from dspark.generate import load_models
@@ -141,6 +142,13 @@ def build_decoder(args: argparse.Namespace, compile: bool):
     return decoder, tokenizer
 
 
+def k_choices(args: argparse.Namespace, decoder: SpeculativeDecoder) -> list[int] | None:
+    """The drafts a step may verify: chosen per step among default_k_choices, unless
+    --speculative-config gives num_speculative_tokens (then None: every step verifies that many)."""
+    fixed = "num_speculative_tokens" in speculative_config(args.speculative_config) or decoder.drafter is None
+    return None if fixed else default_k_choices(decoder.k)
+
+
 def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder) -> dict:
     """What build_decoder's compiled step and its static batch are specialized to, as a compile
     cache records it (dspark.compile.cache): a warm-up's cache fits only a server with these."""
@@ -151,7 +159,8 @@ def compiled_step_options(args: argparse.Namespace, decoder: SpeculativeDecoder)
             "dtype": str(next(decoder.target.parameters()).dtype).removeprefix("torch."),
             "num_speculative_tokens": decoder.k,
             "rejection_sample_method": "block" if decoder.block_verify else "standard",
-            "greedy_drafts": decoder.greedy_drafts, "max_num_seqs": args.max_num_seqs,
+            "greedy_drafts": decoder.greedy_drafts, "k_choices": k_choices(args, decoder),
+            "max_num_seqs": args.max_num_seqs,
             "max_model_len": args.max_model_len, "block_size": args.block_size,
             "num_blocks": args.num_gpu_blocks_override, "kv_cache_memory": args.kv_cache_memory,
             "gpu_memory_utilization": args.gpu_memory_utilization}

@@ -33,6 +33,12 @@ def blocks_per_request(max_model_len: int, k: int, block_size: int) -> int:
     return -(-(max_model_len + k + 1) // block_size)
 
 
+def default_k_choices(k: int) -> list[int]:
+    """The drafts a step may verify when the engine chooses per step (a graph each): 0 (no
+    speculation), 1, 3 and the drafter's K, those up to K."""
+    return sorted({c for c in (0, 1, 3, k) if c <= k})
+
+
 def default_buckets(max_batch: int) -> list[int]:
     """Powers of two below max_batch, and max_batch: 1, 2, 4, 8 for 8; 1, 2, 4, 6 for 6."""
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})

@@ -8,7 +8,8 @@ cache that `python -m dspark.serve --compile-cache FILE` loads when it starts.
 
 It builds the decoder and the static batch from the same options as the server (dspark.compile.options),
 then steps every batch-size bucket in each sampling variant a server meets (every row greedy;
-sampled; sampled with a top-p filter), which compiles every graph the server's steps need, and saves
+sampled; sampled with a top-p filter) at each number of drafts a step may verify, which compiles
+every graph the server's steps need, and saves
 what Inductor compiled. Give it the options the server will get: the compiled code is specialized to
 the models, K, the batch buckets, --max-model-len and the KV cache's shape (its blocks: on CUDA they
 follow the free memory, so give both --num-gpu-blocks-override for a cache that fits). A cache is for
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspark.compile.cache import save_compile_cache
-from dspark.compile.options import add_model_args, build_decoder, compiled_step_options
+from dspark.compile.options import add_model_args, build_decoder, compiled_step_options, k_choices
 from dspark.compile.runner import StepRunner, blocks_per_request
 from dspark.kv_cache import kv_cache_blocks
 from dspark.sampling import SamplingParams
@@ -50,9 +51,9 @@ def serving_runner(args: argparse.Namespace, decoder) -> StepRunner:
 
 
 @torch.inference_mode()
-def warm_up(runner: StepRunner) -> list[tuple[str, int, float]]:
-    """Steps every (variant, bucket) once -> (variant, bucket, seconds) of each, compilation
-    included."""
+def warm_up(runner: StepRunner, ks: list[int] | None = None) -> list[tuple[str, int, float]]:
+    """Steps every (variant, bucket) once for each number of drafts a step may verify (`ks`,
+    default the decoder's K) -> (variant, bucket, seconds) of each, compilation included."""
     timings = []
     for name, params in VARIANTS.items():
         runner.set_params([params] * runner.max_batch)
@@ -60,7 +61,8 @@ def warm_up(runner: StepRunner) -> list[tuple[str, int, float]]:
             began = time.perf_counter()
             if runner.decoder.drafter is not None:
                 runner.draft(range(batch))
-            runner.step(batch)
+            for k in ks or [runner.decoder.k]:
+                runner.step(batch, k)
             if runner.tokens.device.type == "cuda":
                 torch.cuda.synchronize()
             timings.append((name, batch, time.perf_counter() - began))
@@ -79,7 +81,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"python -m dspark.compile.warmup: {error}") from None
     runner = serving_runner(args, decoder)
     began = time.perf_counter()
-    for name, batch, seconds in warm_up(runner):
+    for name, batch, seconds in warm_up(runner, k_choices(args, decoder)):
         print(timing_line(name, batch, seconds), flush=True)
     size = save_compile_cache(args.compile_cache, decoder.device, compiled_step_options(args, decoder))
     print(f"compiled in {time.perf_counter() - began:.0f} s; {args.compile_cache}: {size / 1e6:.1f} MB")

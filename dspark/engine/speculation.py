@@ -22,11 +22,6 @@ COST_WEIGHT = 0.2  # a new cost measurement's weight in its average
 DRIFT = 200  # steps after which a choice not taken is measured again
 
 
-def default_choices(k: int) -> list[int]:
-    """0 (no speculation), 1, 3 and the drafter's K, those up to K."""
-    return sorted({c for c in (0, 1, 3, k) if c <= k})
-
-
 class StepK:
     """Chooses each step's K among `choices` (one choice: a fixed K)."""
 

@@ -28,9 +28,8 @@ from pathlib import Path
 
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.options import (add_model_args, build_decoder, check_engine_args, compiled_step_options,
-                                    engine_options, speculative_config)
+                                    engine_options, k_choices, speculative_config)
 from dspark.engine import Engine
-from dspark.engine.speculation import default_choices
 from dspark.serve.metrics import IterationLog
 from dspark.serve.process import Server
 from dspark.serve.server import LOOPBACK_NAMES, create_app
@@ -168,10 +167,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"{PROG}: interrupted while loading") from None
     name = args.served_model_name or served_name(args.model)
     cuda_graphs = decoder.device.type == "cuda" and not args.enforce_eager
-    fixed_k = "num_speculative_tokens" in speculative_config(args.speculative_config)
     try:
-        engine = Engine(decoder, **engine_options(args), cuda_graphs=cuda_graphs,
-                        k_choices=None if fixed_k else default_choices(decoder.k))
+        engine = Engine(decoder, **engine_options(args), cuda_graphs=cuda_graphs, k_choices=k_choices(args, decoder))
     except ValueError as error:  # a KV cache too small for --max-model-len
         raise SystemExit(f"{PROG}: {error}") from None
     loopback = is_loopback(args.host)
@@ -184,8 +181,9 @@ def main(argv=None) -> None:
     if not args.disable_log_stats:
         threading.Thread(target=IterationLog(engine, args.log_stats_interval).run, args=(stop_log,),
                          name="dspark-stats", daemon=True).start()
+    choices = engine.speculation.choices
     drafting = "no speculation" if decoder.drafter is None else f"DSpark drafter, K = {decoder.k}" + (
-        "" if fixed_k else f" at most, chosen per step among {engine.speculation.choices}")
+        "" if len(choices) == 1 else f" at most, chosen per step among {choices}")
     mode = ", ".join(["compiled" if compile else "eager"] + ["CUDA graphs"] * cuda_graphs)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dspark: KV cache of {engine.capacity} tokens ({engine.pool.num_blocks - 1} blocks of {args.block_size}): "
