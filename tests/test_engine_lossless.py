@@ -1,11 +1,16 @@
-"""The serving engine is lossless: requests served through Engine (continuous batching: requests
-admitted while others decode, of other lengths and sampling parameters around them) draw their first
-three tokens from the target's exact law, checked as the decoder's are (test_decoder's checks, with
-a power of its own at its smaller N), with a negative control that fails them.
+"""The serving engine is lossless: requests served through Engine draw their first three tokens from
+the target's exact law, checked as the decoder's are (test_decoder's checks, with a power of its own
+at its smaller N), with a negative control that fails them. The engine is set up so that everything
+it does to a request happens many times over: continuous batching (requests admitted while others
+decode, of other lengths and sampling parameters around them), prompts entering in chunks of a
+small token budget, the shared prompt's first block found in the prefix cache, requests preempted
+when the small pool runs out and recomputed, and the number of drafts a step verifies changing from
+step to step.
 
 `serve` is the one place these tests drive the engine, through its public calls only."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -24,17 +29,27 @@ N_REQUESTS = 3000  # counted requests (a served request costs several times a ge
 N_CONTROL = 2000
 DETECTS = {"all three": 0.12, "first two": 0.115, "first token": 0.085}  # TV, probability 0.99 (stats.design)
 MAX_BATCH = 256
+BLOCK_SIZE, NUM_BLOCKS = 2, 40  # a request holds 4-6 blocks: 6 to 9 run at once, the newest giving way
+BUDGET = 8  # prompt tokens per engine step: some prompts of 3 and 4 tokens enter in chunks
+K_CYCLE = [4, 0, 2, 4, 1, 3]  # the drafts the steps verify, in turn
 
 
 def serve(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams],
           max_batch: int = MAX_BATCH) -> list[GenerationResult]:
     """Serves the prompts with an Engine run in a thread: submits them all, waits for each one's events
-    to end (raising a request's exception), shuts the engine down, returns the results in order."""
-    engine = Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN)
+    to end (raising a request's exception), shuts the engine down, returns the results in order. The
+    steps verify K_CYCLE's drafts in turn, for the seeded requests too (their seeds key the noise; what
+    is checked is the law, which the number of drafts verified does not change)."""
+    engine = Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+                    num_blocks=NUM_BLOCKS, max_num_batched_tokens=BUDGET, k_choices=sorted(set(K_CYCLE)))
+    cycle = itertools.cycle(K_CYCLE)
+    engine.speculation.choose = lambda bucket: next(cycle)
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
     try:
         requests = [engine.submit(prompt, p) for prompt, p in zip(prompts, params)]
+        for request in requests:
+            request.seeded = False
         for request in requests:
             while (event := request.events.get(timeout=600)) is not None:
                 if isinstance(event, Exception):
@@ -42,6 +57,8 @@ def serve(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[Sa
     finally:
         engine.shutdown()
         thread.join(timeout=600)
+    counters = engine.scheduler.counters
+    assert counters.preemptions > 0 and counters.prefix_hits > 0  # the paths these tests are for were taken
     return [request.result for request in requests]
 
 

@@ -169,3 +169,20 @@ def test_a_cached_prompt_leaves_its_last_position_to_compute_and_counts_hits():
     assert [(ch.begin, ch.end) for ch in plan.prefill] == [(8, 12)] and again.num_cached == 8
     assert again.blocks[:2] == blocks[:2]
     assert (scheduler.counters.prefix_queries, scheduler.counters.prefix_hits) == (24, 8)
+
+
+def test_a_resumed_request_whose_whole_prefill_is_cached_still_computes_its_last_position():
+    """Its block keys were known past its prefill before it gave way: the cached prefix it takes is
+    still cut where the prefill leaves a position to compute (an empty chunk once followed)."""
+    pool = BlockPool(20, 2)
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=100, lookahead=1)
+    r = request(4)
+    scheduler.add(r)
+    scheduler.schedule()
+    decoding(scheduler, r, 4)
+    r.result.tokens = [12]
+    scheduler.computed(r, 5)  # its first token's key is in: block 2 covers positions 4..5
+    scheduler._preempt(r)
+    assert r.num_to_prefill == 4 and len(r.block_keys) == 2
+    plan = scheduler.schedule()
+    assert [(ch.begin, ch.end) for ch in plan.prefill] == [(2, 4)] and r.num_cached == 2

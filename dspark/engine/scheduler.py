@@ -117,8 +117,8 @@ class Scheduler:
         return size
 
     def _keys(self, request: Request, full_blocks: int) -> list[bytes]:
-        """The request's block keys, computed as far as its first `full_blocks` blocks (kept on the
-        request: they depend on its tokens only)."""
+        """The request's block keys, computed at least as far as its first `full_blocks` blocks (kept
+        on the request: they depend on its tokens only; it may know more of them)."""
         known = len(request.block_keys)
         if known < full_blocks:
             size = self.pool.block_size
@@ -133,7 +133,7 @@ class Scheduler:
         computes them all."""
         pool, positions = self.pool, request.num_to_prefill
         reusable = 0 if request.needs_prompt_logprobs else (positions - 1) // pool.block_size
-        cached = pool.cached_prefix(self._keys(request, reusable))
+        cached = pool.cached_prefix(self._keys(request, reusable)[:reusable])
         fresh = pool.blocks_for(positions + self.lookahead) - len(cached)
         if fresh + sum(pool.refs[b] == 0 for b in cached) > pool.num_free:
             return False
