@@ -21,11 +21,11 @@ import time
 
 import torch
 
+from bench.models import default_pair_decoder
 from bench.timing import emit_table
-from dspark import SamplingParams, SpeculativeDecoder, load_default
+from dspark import SamplingParams, SpeculativeDecoder
 from dspark.data import heldout_prompts, render
 from dspark.engine import Engine
-from dspark.loading import fast_dtype
 
 
 class Timestamps:
@@ -90,10 +90,7 @@ def main() -> None:
     p.add_argument("--warm-events", type=int, default=5, help="events each stream has had before the prompt arrives")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = fast_dtype(device)
-    target, drafter, tokenizer = load_default(dtype=dtype, device=device)
-    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, tokenizer=tokenizer)
+    decoder, tokenizer, device, dtype = default_pair_decoder()
     prompts = render(tokenizer, heldout_prompts())[:args.streams]
     text = " ".join(p.text for p in heldout_prompts())
     long_prompt = (tokenizer.encode(text) * (1 + args.long // 1000))[:args.long]

@@ -3,7 +3,8 @@ import contextlib
 
 import torch
 
-from dspark import TargetConfig, TargetModel
+from dspark import SpeculativeDecoder, TargetConfig, TargetModel, load_default
+from dspark.loading import fast_dtype
 
 # SmolLM2-135M-Instruct's shapes: the default target's step, on the GPU
 SMOLLM2 = TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -39,3 +40,12 @@ def random_target(config: TargetConfig, device: torch.device, dtype: torch.dtype
     """A target of `config`'s shapes with random weights."""
     with built_on(device, dtype):
         return TargetModel(config).eval()
+
+
+def default_pair_decoder():
+    """The default pair on the fastest device in its fastest dtype, K = 7 -> (decoder, tokenizer,
+    device name, dtype), as the serving benchmarks run it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = fast_dtype(device)
+    target, drafter, tokenizer = load_default(dtype=dtype, device=device)
+    return SpeculativeDecoder(target, drafter, num_speculative_tokens=7, tokenizer=tokenizer), tokenizer, device, dtype

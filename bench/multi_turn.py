@@ -19,11 +19,11 @@ import time
 
 import torch
 
+from bench.models import default_pair_decoder
 from bench.timing import emit_table
-from dspark import SamplingParams, SpeculativeDecoder, load_default
+from dspark import SamplingParams
 from dspark.data import heldout_prompts
 from dspark.engine import Engine
-from dspark.loading import fast_dtype
 
 
 def turn_tokens(tokenizer, message: str, first: bool) -> list[int]:
@@ -61,10 +61,7 @@ def main() -> None:
     p.add_argument("--reply", type=int, default=64, help="tokens per assistant reply")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = fast_dtype(device)
-    target, drafter, tokenizer = load_default(dtype=dtype, device=device)
-    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, tokenizer=tokenizer)
+    decoder, tokenizer, device, dtype = default_pair_decoder()
     texts = [p.text for p in heldout_prompts()]
     results = {}
     for caching in (True, False):

@@ -75,6 +75,15 @@ def _refuse_unless_off(value, info: ValidationInfo):
     return value
 
 
+def _needs(flag: str):
+    """A validator refusing its field unless the field `flag` (declared before it) is true."""
+    def check(value, info: ValidationInfo):
+        if value is not None and not info.data.get(flag):
+            raise PydanticCustomError("unsupported", "{name} needs {flag}: true", {"name": info.field_name, "flag": flag})
+        return value
+    return check
+
+
 def _encodable(text: str) -> str:
     """`text`, if it is valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes)."""
     try:
@@ -139,12 +148,7 @@ class SamplingRequest(Strict):
                                       "special tokens out)")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _with_stream(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("stream"):
-            raise PydanticCustomError("unsupported", "stream_options needs stream: true")
-        return value
+    _with_stream = field_validator("stream_options")(_needs("stream"))
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The request's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
@@ -245,12 +249,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _with_logprobs(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("logprobs"):
-            raise PydanticCustomError("unsupported", "top_logprobs needs logprobs: true")
-        return value
+    _with_logprobs = field_validator("top_logprobs")(_needs("logprobs"))
 
     def prompt_ids(self, tokenizer) -> list[int]:
         return tokenizer.apply_chat_template([m.template_entry() for m in self.messages],
