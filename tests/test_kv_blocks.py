@@ -142,13 +142,18 @@ def test_when_blocks_run_out_the_newest_request_gives_way_and_keeps_its_tokens()
     assert scheduler.counters.preemptions == 1
 
 
-def test_a_request_alone_that_cannot_grow_preempts_itself():
-    pool = BlockPool(5, 4)
-    scheduler = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=100, lookahead=1)
-    r = request(8)
+def decoding_alone(num_blocks: int, block_size: int, prompt_len: int) -> tuple[Scheduler, Request]:
+    """A scheduler (lookahead 1) whose one request has prefilled its prompt and decodes."""
+    scheduler = Scheduler(BlockPool(num_blocks, block_size), max_num_seqs=4, max_num_batched_tokens=100, lookahead=1)
+    r = request(prompt_len)
     scheduler.add(r)
     scheduler.schedule()
-    decoding(scheduler, r, 8)
+    decoding(scheduler, r, prompt_len)
+    return scheduler, r
+
+
+def test_a_request_alone_that_cannot_grow_preempts_itself():
+    scheduler, r = decoding_alone(5, 4, 8)
     r.num_computed = 16  # positions up to 16: a fifth block, beyond the pool
     plan = scheduler.schedule()
     assert plan.preempted == [r] and plan.decode == []
@@ -174,12 +179,7 @@ def test_a_cached_prompt_leaves_its_last_position_to_compute_and_counts_hits():
 def test_a_resumed_request_whose_whole_prefill_is_cached_still_computes_its_last_position():
     """Its block keys were known past its prefill before it gave way: the cached prefix it takes is
     still cut where the prefill leaves a position to compute (an empty chunk once followed)."""
-    pool = BlockPool(20, 2)
-    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=100, lookahead=1)
-    r = request(4)
-    scheduler.add(r)
-    scheduler.schedule()
-    decoding(scheduler, r, 4)
+    scheduler, r = decoding_alone(20, 2, 4)
     r.result.tokens = [12]
     scheduler.computed(r, 5)  # its first token's key is in: block 2 covers positions 4..5
     scheduler._preempt(r)
