@@ -52,26 +52,25 @@ def sampling_rows(sampling: SamplingTensors, index: torch.Tensor | slice) -> Sam
 
 
 class Readback:
-    """The copies to the host of a step's emitted tokens [B, K+1] and accepted counts [B], into
-    buffers made once (pinned on CUDA): `start` queues them behind the step, `lists` waits for them,
-    so the host may queue the next step in between."""
+    """The copies to the host of some of a step's outputs (its emitted tokens, accepted counts, ...),
+    into buffers made once (pinned on CUDA): `start` queues them behind the step, `lists` waits for
+    them, so the host may queue the next step in between."""
 
-    def __init__(self, emitted: torch.Tensor, num_accepted: torch.Tensor):
-        pinned = emitted.device.type == "cuda"
-        self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in (emitted, num_accepted)]
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        pinned = tensors[0].device.type == "cuda"
+        self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
         self.copied = torch.cuda.Event() if pinned else None
 
-    def start(self, emitted: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        for buffer, source in zip(self.buffers, (emitted, num_accepted)):
+    def start(self, tensors: Sequence[torch.Tensor]) -> None:
+        for buffer, source in zip(self.buffers, tensors):
             buffer.copy_(source, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def lists(self) -> tuple[list[list[int]], list[int]]:
+    def lists(self) -> list[list]:
         if self.copied is not None:
             self.copied.synchronize()
-        emitted, num_accepted = self.buffers
-        return emitted.tolist(), num_accepted.tolist()
+        return [buffer.tolist() for buffer in self.buffers]
 
 
 def capture_step(step: Callable, args: tuple, scratch: torch.Tensor, pool=None):
@@ -323,10 +322,10 @@ class SpeculativeDecoder:
             step = self.step
 
         outputs = step(*args) if active.any() else None
-        readback = None if outputs is None else Readback(*outputs[:2])
+        readback = None if outputs is None else Readback(outputs[:2])
         while outputs is not None:
             emitted, num_accepted, next_tokens, next_start, _ = outputs
-            readback.start(emitted, num_accepted)
+            readback.start((emitted, num_accepted))
             # The next step's inputs, before this step's tokens are read: a row this step ends runs
             # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
             # same cache positions.

@@ -86,7 +86,7 @@ def test_the_engine_steps_the_smallest_bucket_that_holds_its_requests(one_thread
     engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
     batches = []
     step = engine.runner.step
-    monkeypatch.setattr(engine.runner, "step", lambda batch: batches.append(batch) or step(batch))
+    monkeypatch.setattr(engine.runner, "step", lambda batch, k: batches.append(batch) or step(batch, k))
     greedy = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
               for p, n in (([1, 2, 3], 3), ([5, 9], 30), ([4], 30))]
     engine.step()  # the three prompts: slots 0..2

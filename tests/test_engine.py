@@ -11,7 +11,7 @@ import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.engine import Engine, EngineStopped
-from dspark.compile.runner import default_k_choices
+from dspark.compile.runner import blocks_per_request, default_k_choices
 from dspark.engine.speculation import StepK
 from dspark.serve.openai import speculation
 from test_decoder import target_greedy, tiny_pair
@@ -29,7 +29,7 @@ def drain(engine: Engine, requests) -> int:
 def make_engine(decoder, max_batch=4, max_model_len=64, **options) -> Engine:
     """An engine whose KV cache holds max_batch requests of max_model_len (blocks of 16), not the
     default memory's worth: the tiny models' blocks are small."""
-    per_request = -(-(max_model_len + decoder.k + 1) // 16)
+    per_request = blocks_per_request(max_model_len, decoder.k, 16)
     return Engine(decoder, max_batch=max_batch, max_model_len=max_model_len,
                   num_blocks=options.pop("num_blocks", 1 + max_batch * per_request), **options)
 
@@ -163,15 +163,15 @@ def test_a_request_whose_client_left_while_it_waited_is_dropped_before_the_next_
     running = engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     gone = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=5))
     gone.cancelled = True
-    decode, seen = engine._decode, []
+    launch, seen = engine._launch, []
 
     def first_step_then_stop(requests):
         seen.append((gone.result.finish_reason, gone.events.queue[-1] if gone.events.qsize() else "no event",
                      running.result.finished))
         engine.shutdown()
-        decode(requests)
+        return launch(requests)
 
-    engine._decode = first_step_then_stop
+    engine._launch = first_step_then_stop
     engine.run()
     assert seen == [("abort", None, False)]
 
@@ -260,20 +260,21 @@ PROMPTS = [list(range(3, 40)), [5, 9, 11, 2, 7], [4], list(range(3, 40)) + [8, 8
 LENGTHS = [40, 6, 30, 25]  # extends the first: a cached prefix once the first has run
 
 
-def small_engine(target, drafter, num_blocks, max_num_batched_tokens=7, **options):
+def small_engine(target, drafter, num_blocks, max_num_batched_tokens=7, **options):  # blocks of 4
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4)
     return Engine(decoder, max_num_seqs=3, max_model_len=80, block_size=4, num_blocks=num_blocks,
                   max_num_batched_tokens=max_num_batched_tokens, **options)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("window", [None, 3])
-def test_greedy_output_is_the_targets_through_chunks_preemption_and_prefix_reuse(one_thread, window):
+@pytest.mark.parametrize("window, overlap", [(None, False), (3, False), (None, True)])
+def test_greedy_output_is_the_targets_through_chunks_preemption_and_prefix_reuse(one_thread, window, overlap):
     """A pool of 30 blocks of 4 for up to three requests of up to 43 + 25 tokens, prompts entering 7
     tokens per step: the long prompts take several chunks, requests join and leave mid-flight, the
-    newest give way when blocks run out, and the fourth finds the first's prompt cached."""
+    newest give way when blocks run out, and the fourth finds the first's prompt cached. With overlap
+    each step is queued before the one before it is read (the host a step behind)."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4, drafter_window=window)
-    engine = small_engine(target, drafter, num_blocks=30)
+    engine = small_engine(target, drafter, num_blocks=30, overlap=overlap)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
     requests = [engine.submit(p, sp) for p, sp in zip(PROMPTS[:3], params)]
     for _ in range(12):
@@ -289,14 +290,16 @@ def test_greedy_output_is_the_targets_through_chunks_preemption_and_prefix_reuse
 
 
 @torch.inference_mode()
-def test_sampled_requests_lose_and_repeat_nothing_when_preempted(one_thread):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_requests_lose_and_repeat_nothing_when_preempted(one_thread, overlap):
     """Seeded sampled requests in a pool too small for them all (preempted and resumed over and over)
     get exactly the tokens each gets alone in a large pool: nothing produced is lost or repeated, and
-    a resumed request's drafter context is its own, recomputed."""
+    a resumed request's drafter context is its own, recomputed. With overlap, a request preempted
+    with a step in flight gets nothing from that step, and recomputes it once resumed."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
     params = [SamplingParams(temperature=t, top_p=p, max_tokens=n, seed=i, ignore_eos=True)
               for i, (t, p, n) in enumerate([(1.0, 1.0, 40), (0.7, 0.9, 35), (1.0, 1.0, 30), (1.3, 1.0, 25)])]
-    crowded = small_engine(target, drafter, num_blocks=26)
+    crowded = small_engine(target, drafter, num_blocks=26, overlap=overlap)
     requests = [crowded.submit(p, sp) for p, sp in zip(PROMPTS, params)]
     drain(crowded, requests)
     assert crowded.scheduler.counters.preemptions >= 2
@@ -324,7 +327,7 @@ def test_a_full_pool_queues_requests_and_serves_them_all(one_thread):
 def test_what_the_pool_cannot_hold_is_refused_naming_both_numbers():
     target, drafter = tiny_pair(vocab=64, block_size=4)
     with pytest.raises(ValueError, match=r"KV cache holds 76 tokens \(19 blocks of 4\), less than one request of "
-                                         r"max_model_len 80 needs \(88"):
+                                         r"max_model_len 80 needs \(92"):
         small_engine(target, drafter, num_blocks=20)
     engine = small_engine(target, drafter, num_blocks=30)
     with pytest.raises(ValueError, match="prompt length 79 \\+ max_tokens 2 exceeds the maximum model length 80 "
@@ -387,12 +390,13 @@ def test_logprobs_are_asked_in_range_and_of_the_engine():
 
 
 @torch.inference_mode()
-def test_greedy_output_is_the_targets_whatever_k_each_step_verifies(one_thread):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_output_is_the_targets_whatever_k_each_step_verifies(one_thread, overlap):
     """Steps verifying 7, 0, 1, 3 drafts in turn (a step at 0 drafts nothing; the next one draws the
     drafts again from its anchor): the target's greedy tokens, and the acceptance counted per step."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=7)
     engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7), max_batch=3,
-                         k_choices=[0, 1, 3, 7])
+                         k_choices=[0, 1, 3, 7], overlap=overlap)
     cycle = iter([7, 0, 1, 3] * 100)
     engine.speculation.choose = lambda bucket: next(cycle)
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4]]
@@ -470,3 +474,24 @@ def test_a_long_mixed_run_compiles_nothing_after_the_warm_up(one_thread, monkeyp
     drain(engine, requests)
     assert all(len(r.result.tokens) == r.params.max_tokens for r in requests)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@torch.inference_mode()
+def test_with_overlap_a_finished_requests_next_step_runs_and_hands_it_nothing(one_thread):
+    """Each step is queued before the one before it is read: a request ending in a step has already
+    run in the next one, whose tokens it never gets (nor does /metrics count them), and its slot and
+    blocks go to a request admitted meanwhile without that step's outputs reaching the newcomer."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=1, overlap=True)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    first = engine.submit([1, 2, 3], params)
+    steps = []
+    launch = engine._launch
+    engine._launch = lambda requests: steps.append([r is first for r in requests]) or launch(requests)
+    second = engine.submit([4, 5], params)  # waits for the one slot
+    drain(engine, [first, second])
+    events = list(first.events.queue)
+    assert sum(map(len, events[:-1])) == 9 and events[-1] is None and first.result.tokens == target_greedy(target, [1, 2, 3], 9)
+    assert steps.count([True]) > len(first.result.accepted_per_position) // 4  # it ran a step past its end
+    assert second.result.tokens == target_greedy(target, [4, 5], 9)
+    assert engine.stats.generation_tokens == 18

@@ -105,16 +105,16 @@ def test_the_counters_carry_vllms_names_and_the_per_position_acceptance(running)
 
 @torch.inference_mode()
 def test_the_kv_cache_metrics_show_usage_prefix_hits_and_preemptions():
-    """A pool of 12 blocks of 4 for requests of up to 40 + 5 positions: the second request finds the
+    """A pool of 12 blocks of 4 for requests of up to 36 + 5 positions: the second request finds the
     first's 16-token prompt cached, and the third (another prompt) runs the pool out mid-decode."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
-    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=40,
+    engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=3, max_model_len=36,
                     block_size=4, num_blocks=13)
 
     def sample(text: str, name: str) -> float:
         return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"dspark:{name}{{"))
 
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True)
     first = engine.submit(list(range(1, 18)), params)
     engine.step()
     text = exposition(engine, "m")

@@ -29,8 +29,9 @@ IDLE = SamplingParams(temperature=0.0, max_tokens=1)  # the parameters of a slot
 
 
 def blocks_per_request(max_model_len: int, k: int, block_size: int) -> int:
-    """The blocks a request holds at most: max_model_len positions and the K + 1 its last step writes."""
-    return -(-(max_model_len + k + 1) // block_size)
+    """The blocks a request holds at most: max_model_len positions and the K + 1 that each of two
+    steps may write past them (a step is queued before the host has read the one before)."""
+    return -(-(max_model_len + 2 * (k + 1)) // block_size)
 
 
 def default_k_choices(k: int) -> list[int]:

@@ -26,12 +26,13 @@ import queue
 import random
 import threading
 import time
+from dataclasses import dataclass
 from itertools import groupby
 
 import torch
 
 from dspark.compile.runner import IDLE, StepRunner, blocks_per_request
-from dspark.decoder import SpeculativeDecoder
+from dspark.decoder import Readback, SpeculativeDecoder
 from dspark.engine.kv_blocks import BlockPool
 from dspark.engine.request import Request, Status
 from dspark.engine.scheduler import Chunk, Scheduler
@@ -46,6 +47,39 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}  # prompt tokens per
 
 class EngineStopped(RuntimeError):
     """The engine has stopped (shut down, or a step failed): it takes no more requests."""
+
+
+@dataclass
+class InFlight:
+    """A decode step queued and not yet read: its requests by slot, its batch and K, its outputs, the
+    copies of those the host reads, and its timer."""
+    requests: dict[int, Request]
+    batch: int
+    k: int
+    outputs: tuple
+    readback: Readback
+    timer: StepTimer
+
+
+class StepTimer:
+    """A step's duration: CUDA events around it on CUDA (read once the step is done, so timing does
+    not wait for the device), the host's clock elsewhere (where a step runs when it is called)."""
+
+    def __init__(self, device: torch.device):
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+        if self.events:
+            self.events[0].record()
+        self.began, self.ended = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+        self.ended = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events:
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.ended - self.began
 
 
 def token_entries(logprobs: list | None, row: int, columns, top: int) -> list[TokenLogprob]:
@@ -64,14 +98,15 @@ class Engine:
     max_num_batched_tokens: prompt tokens per iteration; enable_prefix_caching: reuse the cached
     blocks of a prompt's prefix; k_choices: the drafts a step may verify, chosen per step
     (dspark.engine.speculation; default: the decoder's K, fixed); cuda_graphs: replay the decode step
-    from CUDA graphs (default on CUDA).
+    from CUDA graphs (default on CUDA); overlap: queue each decode step before reading the one before
+    (default on CUDA, where steps run asynchronously; on the CPU nothing would overlap).
     """
 
     def __init__(self, decoder: SpeculativeDecoder, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  cuda_graphs: bool | None = None, *, max_batch: int | None = None, block_size: int = KV_BLOCK_SIZE,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory: float | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, k_choices: list[int] | None = None):
+                 enable_prefix_caching: bool = True, k_choices: list[int] | None = None, overlap: bool | None = None):
         if None not in (max_num_seqs, max_batch) and max_num_seqs != max_batch:
             raise ValueError(f"max_num_seqs={max_num_seqs} and its alias max_batch={max_batch} disagree")
         max_num_seqs = next((n for n in (max_num_seqs, max_batch) if n is not None), 8)
@@ -98,13 +133,20 @@ class Engine:
         if longest > num_blocks - 1:
             raise ValueError(f"the KV cache holds {(num_blocks - 1) * block_size} tokens ({num_blocks - 1} blocks of "
                              f"{block_size}), less than one request of max_model_len {self.max_model_len} needs "
-                             f"({longest * block_size} with the step's {decoder.k + 1} positions): give the cache "
+                             f"({longest * block_size} with two steps' {decoder.k + 1} positions): give the cache "
                              f"more memory or lower max_model_len")
+        self.overlap = decoder.device.type == "cuda" if overlap is None else overlap
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead=decoder.k + 1)
+        # the positions a step writes past the host's count of a request's: K + 1, or two steps' when the host lags one
+        lookahead = (decoder.k + 1) * (2 if self.overlap else 1)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead=lookahead)
         self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
         self.speculation = StepK(decoder.k, [decoder.k] if k_choices is None or decoder.drafter is None else k_choices)
         self.stale_drafts: set[int] = set()  # slots whose drafts a step that verified none left from an older anchor
+        self.in_flight: InFlight | None = None  # with overlap: the step queued, to read in the next iteration
+        self.last_step: InFlight | None = None  # the step whose outputs the next step's inputs come from
+        self.readbacks: dict[tuple, Readback] = {}  # host buffers, by the shapes copied and the launch's parity
+        self.launches = 0
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.incoming: queue.Queue[Request | None] = queue.Queue()  # from submit(), for the engine's thread
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
@@ -183,15 +225,23 @@ class Engine:
         self._fail_pending(EngineStopped("the engine was shut down"))
 
     def step(self) -> None:
-        """One iteration: schedule, one decode step, this iteration's prompt chunks."""
+        """One iteration: schedule, one decode step, this iteration's prompt chunks. With `overlap`,
+        the step is queued before the one before it is read, so the device does not wait for the
+        host's bookkeeping; the host then lags a step, and a request that finished in a step runs
+        in the next one too, which hands it nothing."""
         self._take_incoming(block=False)
         self._drop_cancelled()
         plan = self.scheduler.schedule()
         for request in plan.preempted:
             if request.slot is not None:
                 self._vacate(request)
-        if plan.decode:
-            self._decode(plan.decode)
+        launched = self._launch(plan.decode) if plan.decode else None
+        if self.overlap:  # read the step before while this one runs
+            before, self.in_flight = self.in_flight, launched
+        else:
+            before, self.in_flight = launched, None
+        if before is not None:
+            self._read(before)
         ready = []
         for _, chunks in groupby(sorted(plan.prefill, key=Chunk.size), key=Chunk.size):
             ready += self._prefill(list(chunks))
@@ -229,41 +279,70 @@ class Engine:
             request.result.finish_reason = "abort"
             self._finish(request)
 
-    def _decode(self, requests: list[Request]) -> None:
+    def _launch(self, requests: list[Request]) -> InFlight:
+        """Queues one decode step of these requests: first their inputs from the step before
+        (on the device: the host has not read that step yet when steps overlap), then drafts drawn
+        again where a step verified none, then the step and the copies of its outputs to the host."""
         runner = self.runner
+        self._advance()
         for request in requests:
             runner.set_blocks(request.slot, request.blocks)
         batch = runner.bucket(1 + max(r.slot for r in requests))
         k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch)
-        began = time.perf_counter()
+        timer = StepTimer(runner.tokens.device)
         if k and self.stale_drafts:
             runner.draft(sorted(self.stale_drafts))
             self.stale_drafts.clear()
-        emitted, num_accepted, next_tokens, next_start, logprobs = runner.step(batch, k)
-        emitted, num_accepted = emitted.tolist(), num_accepted.tolist()  # one copy each
-        self.speculation.observe(batch, k, time.perf_counter() - began, [num_accepted[r.slot] for r in requests])
+        outputs = runner.step(batch, k)
+        timer.stop()
         if not k and self.decoder.drafter is not None:
             self.stale_drafts.update(r.slot for r in requests)
-        logprobs = None if logprobs is None else [t.tolist() for t in logprobs]
+        emitted, num_accepted, _, _, logprobs = outputs
+        copied = [emitted, num_accepted, *(logprobs or ())]
+        self.launches += 1
+        key = (self.launches % 2, *(t.shape for t in copied))  # two sets: the step read while this one runs
+        if key not in self.readbacks:
+            self.readbacks[key] = Readback(copied)
+        readback = self.readbacks[key]
+        readback.start(copied)
+        self.last_step = InFlight({r.slot: r for r in requests}, batch, k, outputs, readback, timer)
+        return self.last_step
+
+    def _advance(self) -> None:
+        """The inputs of the slots the last step ran, from its outputs, for those whose request is still
+        in its slot (the others are idle, or a new request's, admitted since)."""
+        last = self.last_step
+        if last is None:
+            return
+        runner, (_, _, next_tokens, next_start, _) = self.runner, last.outputs
+        kept = torch.tensor([last.requests.get(slot) is request and request is not None
+                             for slot, request in enumerate(self.slots[:last.batch])], device=next_start.device)
+        runner.tokens[:last.batch] = torch.where(kept[:, None], next_tokens, runner.tokens[:last.batch])
+        runner.start[:last.batch] = torch.where(kept, next_start, runner.start[:last.batch])
+        self.last_step = None
+
+    def _read(self, step: InFlight) -> None:
+        """Waits for a step's outputs and hands each request its tokens, cut at its stop. A request
+        that finished (or was preempted or cancelled) since the step was queued gets nothing from it."""
+        emitted, num_accepted, *logprobs = step.readback.lists()
+        logprobs = logprobs or None
+        requests = [(slot, r) for slot, r in step.requests.items() if r.status is Status.DECODING and r.slot == slot]
+        self.speculation.observe(step.batch, step.k, step.timer.seconds(), [num_accepted[slot] for slot, _ in requests])
         stats = self.stats
         stats.steps += 1
-        for request in requests:
-            slot = request.slot
+        for slot, request in requests:
             taken, accepted = request.stop.take_step(request.result, emitted[slot], num_accepted[slot])
             if request.result.logprobs is not None:
                 request.result.logprobs += token_entries(logprobs, slot, range(len(taken)), request.params.logprobs)
             for position in range(accepted):
                 stats.accepted_per_position[position] += 1
-            if k:
+            if step.k:
                 stats.drafts += 1
-                stats.draft_tokens += k
+                stats.draft_tokens += step.k
                 stats.accepted_tokens += accepted
             self._hand_out(request, taken)
             if request.status is Status.DECODING:
                 self.scheduler.computed(request, request.num_computed + num_accepted[slot] + 1)
-        in_use = torch.tensor([r is not None for r in self.slots[:batch]], device=next_start.device)
-        runner.tokens[:batch] = torch.where(in_use[:, None], next_tokens, runner.tokens[:batch])  # the rest: idle
-        runner.start[:batch] = torch.where(in_use, next_start, runner.start[:batch])
 
     def _prefill(self, chunks: list[Chunk]) -> list[Request]:
         """Chunks of one length: their positions' keys and values, and the first tokens of the fresh
