@@ -29,6 +29,7 @@ import torch
 from bench.timing import emit_table
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.data import heldout_prompts, render
+from dspark.engine import generate
 from dspark.eval import load_drafters
 from dspark.loading import default_gguf_path
 
@@ -42,7 +43,7 @@ class Measured:
 def dspark_runner(decoder: SpeculativeDecoder, params: SamplingParams):
     """A function that decodes one prompt and returns (new tokens, decode steps)."""
     def run(prompt):
-        result = decoder.generate([prompt], params)[0]
+        result = generate(decoder, [prompt], params)[0]
         return len(result.tokens), result.num_steps
     return run
 

@@ -1,16 +1,16 @@
-"""Batch generation with and without reading behind, in one process: seconds per
-`SpeculativeDecoder.generate` of a batch of prompts to a fixed length (what self-distillation does
-on the GPU, from a CUDA graph, and `python -m dspark.eval` eagerly).
+"""Offline generation with and without overlapped scheduling, in one process: seconds per
+`dspark.engine.generate` call over a batch of prompts to a fixed length (what self-distillation does
+on the GPU, and `python -m dspark.eval`).
 
-dspark's generate queues step n + 1 before it reads step n's tokens and does the host's
-bookkeeping (`SpeculativeDecoder.reads_behind`); the baseline reads each step before queuing the
+With overlap (the engine's default on CUDA) the host queues step n + 1 before it reads step n's
+tokens and does its bookkeeping; the baseline (overlap=False) reads each step before queuing the
 next, so the device waits for the host every step. Half the rows greedy, half at T = 1, no drafter
 (self-distillation's decoder); a target of SmolLM2-135M's shapes with random bfloat16 weights (speed
 does not depend on the weights; no row meets a stop token, so every call runs the same steps).
 The variants take turns, each call timed with a device synchronisation at both ends.
 
     python -m bench.generation [--batch 2048] [--max-tokens 192] [--rounds 2] [--out table.md]
-    python -m bench.generation --profile    # and the kernels of one eager generate call of dspark's
+    python -m bench.generation --profile    # and the kernels of one eager call with overlap
     python -m bench.generation --smoke      # CPU, a tiny target, eager only: checks that it runs
 """
 from __future__ import annotations
@@ -23,26 +23,22 @@ import time
 import torch
 
 from bench.models import SMOKE, SMOLLM2
+from bench.prefill import draw_prompts
 from bench.timing import emit_table, print_profile
 from dspark import SamplingParams, SpeculativeDecoder, TargetModel
+from dspark.engine import generate
 from dspark.loading import measuring_dtype
-from prefill import draw_prompts
-
-
-class ReadsAtOnce(SpeculativeDecoder):
-    """The baseline: every step's tokens are read before the next step is queued."""
-    reads_behind = False
 
 
 def generate_seconds(decoder: SpeculativeDecoder, prompts: list[list[int]], max_tokens: int,
-                     cuda_graph: bool) -> float:
+                     cuda_graphs: bool, overlap: bool) -> float:
     """Wall seconds of one generate call over `prompts`, every row running to `max_tokens`."""
     params = [SamplingParams(temperature=float(i % 2), seed=i, max_tokens=max_tokens, ignore_eos=True)
               for i in range(len(prompts))]
     if decoder.device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
-    results = decoder.generate(prompts, params, cuda_graph=cuda_graph)
+    results = generate(decoder, prompts, params, cuda_graphs=cuda_graphs, overlap=overlap)
     if decoder.device.type == "cuda":
         torch.cuda.synchronize()
     assert all(len(r.tokens) == max_tokens for r in results)
@@ -68,29 +64,30 @@ def main() -> None:
     modes = {"CUDA graph": True, "eager": False} if device.type == "cuda" else {"eager": False}
     torch.manual_seed(0)
     target = TargetModel(config).to(device, measuring_dtype(device)).eval()
-    variants = {"each step at once": ReadsAtOnce(target, None), "behind, a step queued (dspark)": SpeculativeDecoder(target, None)}
+    decoder = SpeculativeDecoder(target, None)
+    variants = {"each step read at once": False, "overlapped (dspark)": True}
     generator = torch.Generator().manual_seed(0)
-    for decoder in variants.values():  # one-time costs
+    for overlap in variants.values():  # one-time costs
         for graph in modes.values():
-            generate_seconds(decoder, draw_prompts(8, args.lengths, config.vocab_size, generator), 4, graph)
+            generate_seconds(decoder, draw_prompts(8, args.lengths, config.vocab_size, generator), 4, graph, overlap)
     seconds = {(mode, name): [] for mode in modes for name in variants}
     for _ in range(args.rounds):
         for mode, graph in modes.items():
             prompts = draw_prompts(args.batch, args.lengths, config.vocab_size, generator)
-            for name, decoder in variants.items():
-                seconds[mode, name].append(generate_seconds(decoder, prompts, args.max_tokens, graph))
+            for name, overlap in variants.items():
+                seconds[mode, name].append(generate_seconds(decoder, prompts, args.max_tokens, graph, overlap))
 
     if args.profile:
         prompts = draw_prompts(args.batch, args.lengths, config.vocab_size, generator)
-        decoder = variants["behind, a step queued (dspark)"]
-        print_profile([lambda: generate_seconds(decoder, prompts, args.max_tokens, False)], device, unit="generate call")
+        print_profile([lambda: generate_seconds(decoder, prompts, args.max_tokens, False, True)], device,
+                      unit="generate call")
 
     tokens = args.batch * args.max_tokens
     lines = [f"generation, {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
              f"torch {torch.__version__}, {datetime.date.today()}: {args.rounds} rounds, a batch of {args.batch} "
              f"prompts of {args.lengths[0]}-{args.lengths[1]} tokens, {args.max_tokens} new tokens each, no drafter",
              "",
-             "| steps | host reads | s per batch (median) | new tokens / s | ms per decode step, prefill included |",
+             "| steps | host | s per batch (median) | new tokens / s | ms per decode step, prefill included |",
              "|---|---|---|---|---|"]
     for (mode, name), times in seconds.items():
         median = statistics.median(times)

@@ -1,4 +1,4 @@
-"""Speculative decoding: one static step function and the host loop around it.
+"""Speculative decoding: one static step function, and the prompt chunks before it.
 
 The step is a function of static-shaped tensors (no `.item()`, no host sync, no branch on tensor
 values), so torch.compile compiles it whole and a CUDA graph can capture it:
@@ -6,29 +6,25 @@ values), so torch.compile compiles it whole and a CUDA graph can capture it:
     target forward over [anchor, d_1 .. d_K]  ->  verification  ->  drafter context append
     ->  drafter block  ->  ancestral drafting + proposal write
 
-The host loop prefills each request, runs steps, and applies stop tokens, stop strings and
-max_tokens token by token, so a request ends exactly where plain decoding would end it. On CUDA it
-can replay the step from a CUDA graph (`capture_step`; a large batch's eager step is bound by its
-kernel launches), and it queues step n + 1 before it reads step n's tokens (`Readback`), so the
-device does not wait for the host's bookkeeping.
+The host loop that runs it is the engine's (dspark.engine; offline generation is a client of it,
+dspark.engine.offline.generate). On CUDA a step replays from a CUDA graph (`capture_step`; a large
+batch's eager step is bound by its kernel launches), and the host reads a step's tokens through
+`Readback` while the next step runs.
 `drafter=None` (K = 0) runs the same step without speculation: the baseline of every benchmark.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.drafter import DSparkDrafter
 from dspark.drafting import ancestral_draft, greedy_draft
-from dspark.kv_cache import KV_BLOCK_SIZE, contiguous_block_table
 from dspark.ops.verify import greedy_verify, verify
-from dspark.output import GenerationResult, StopCondition
+from dspark.output import StopCondition
 from dspark.sampling import SamplingParams, SamplingTensors, apply_filters, is_int, token_logprobs
 from dspark.target import TargetModel
 
@@ -39,10 +35,6 @@ RECOMPILE_LIMIT = 64  # graphs of a compiled step: 3 sampling variants x cache s
 # new shape (python -m bench.prefill compares), and chunks meet a new shape with every length. Decode
 # steps read the cache through dspark::paged_attention.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def sampling_rows(sampling: SamplingTensors, index: torch.Tensor | slice) -> SamplingTensors:
@@ -96,8 +88,8 @@ def capture_step(step: Callable, args: tuple, scratch: torch.Tensor, pool=None):
 
 def _compile_step(step: Callable) -> Callable:
     """torch.compile(fullgraph=True) of the step. Dynamo keeps the models' cache buffers static,
-    so each cache shape is a graph of its own: generate, when compiled, only grows its caches, to
-    powers of two (_caches), and the recompile limit is raised from Dynamo's 8 to what the
+    so each cache shape is a graph of its own: offline generation sizes a compiled decoder's caches
+    in powers of two (dspark.engine.offline), and the recompile limit is raised from Dynamo's 8 to what the
     sampling variants times those shapes can need."""
     compiled = torch.compile(step, fullgraph=True)
 
@@ -118,9 +110,7 @@ class SpeculativeDecoder:
         (still lossless: verification accepts a one-hot draft with probability p(d)).
     forced_num_accepted: benchmarks only. Every step accepts exactly this many drafts, so a
         step can be timed at a fixed acceptance length. The output is then NOT the target's.
-    compile: torch.compile(fullgraph=True) the step function (see _compile_step). A compiled
-        decoder keeps the models' caches between generate calls (its graphs are specialized to their
-        shape); an eager one frees them when generate returns.
+    compile: torch.compile(fullgraph=True) the step function (see _compile_step).
     """
 
     def __init__(self, target: TargetModel, drafter: DSparkDrafter | None = None,
@@ -165,12 +155,6 @@ class SpeculativeDecoder:
     @property
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
-
-    @property
-    def reads_behind(self) -> bool:
-        """Whether generate queues step n + 1 before reading step n's tokens: on CUDA, where the step
-        runs asynchronously; on the CPU nothing would overlap, and the last step queued is wasted."""
-        return self.device.type == "cuda"
 
     def check_prompt(self, prompt, name: str = "the prompt") -> None:
         """Raises ValueError, naming `name`, unless `prompt` is a non-empty list of the target's token ids."""
@@ -259,131 +243,7 @@ class SpeculativeDecoder:
         emitted[:, n] = logits[:, n].argmax(-1)
         return emitted, torch.full_like(tokens[:, 0], n)
 
-    # ------------------------------------------------------------------ the host loop
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None,
-                 cuda_graph: bool = False) -> list[GenerationResult]:
-        """Decodes every prompt to completion. `on_tokens(i, new_tokens)` streams request i's
-        tokens as they are accepted. `cuda_graph`: replay the step from a CUDA graph captured for
-        this call (CUDA only; the same tokens as eager steps)."""
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
-        for i, prompt in enumerate(prompts):
-            self.check_prompt(prompt, f"prompt {i}")
-        if cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs a CUDA device, the decoder is on {self.device}")
-        params = SamplingParams() if params is None else params
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        stray = next((p for p in params if not isinstance(p, SamplingParams)), None)
-        if stray is not None:
-            raise ValueError(f"params must be SamplingParams, got {type(stray).__name__} {stray!r:.80}")
-        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
-            raise ValueError("logprobs and prompt_logprobs are returned by dspark.engine.Engine, not by generate")
-        longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-        if longest > self.target.config.max_position_embeddings:
-            raise ValueError(f"prompt length + max_tokens = {longest} exceeds the model's "
-                             f"max_position_embeddings {self.target.config.max_position_embeddings}")
-        # Room for one step past the end: a request runs one step after the one that ends it (below).
-        lengths = [len(p) + sp.max_tokens + 2 * (self.k + 1) for p, sp in zip(prompts, params)]
-        with self._caches(lengths) as block_table:
-            return self._decode(prompts, params, block_table, on_tokens, cuda_graph)
-
-    def _decode(self, prompts: list[list[int]], params: list[SamplingParams], block_table: torch.Tensor,
-                on_tokens, cuda_graph: bool) -> list[GenerationResult]:
-        """generate's loop, in caches set up for the prompts (`block_table` [n, M]): the prefill, then
-        steps until every request is finished."""
-        batch, device = len(prompts), self.device
-        stops = [self.stop_condition(p, prompt) for p, prompt in zip(params, prompts)]
-        results = [GenerationResult(accepted_per_position=[0] * self.k) for _ in prompts]
-        sampling = SamplingTensors.from_params(params, device)
-        draft_probs = torch.zeros(batch, self.k, self.target.config.vocab_size, device=device)
-
-        anchor = self.prefill_prompts(prompts, block_table, sampling)
-        start = torch.tensor([len(p) for p in prompts], device=device)
-        active = torch.ones(batch, dtype=torch.bool)
-        for i, token in enumerate(anchor.tolist()):
-            self._hand_out(i, stops[i].extend(results[i], [token]), results, active, on_tokens)
-        tokens = anchor[:, None].clone()
-        if self.drafter is not None:
-            drafts = self.draft(anchor, start, draft_probs, sampling, block_table)
-            tokens = torch.cat([tokens, drafts], dim=1)
-        args = (tokens, start, draft_probs, sampling, block_table)  # the step's buffers from here on
-        if cuda_graph:
-            graph, graph_outputs = capture_step(self.step, args, draft_probs)
-
-            def step(*_):
-                graph.replay()
-                return graph_outputs
-        else:
-            step = self.step
-
-        outputs = step(*args) if active.any() else None
-        readback = None if outputs is None else Readback(outputs[:2])
-        while outputs is not None:
-            emitted, num_accepted, next_tokens, next_start, _ = outputs
-            readback.start((emitted, num_accepted))
-            # The next step's inputs, before this step's tokens are read: a row this step ends runs
-            # once more (its tokens dropped), then stays in the static batch, frozen: same inputs,
-            # same cache positions.
-            keep = active.to(device, non_blocking=True)  # pageable: staged at once, so `active` may change
-            tokens.copy_(torch.where(keep[:, None], next_tokens, tokens))
-            start.copy_(torch.where(keep, next_start, start))
-            queued = step(*args) if self.reads_behind else None
-            emitted_rows, accepted_counts = readback.lists()
-            for i in active.nonzero().flatten().tolist():
-                taken, _ = stops[i].take_step(results[i], emitted_rows[i], accepted_counts[i])
-                self._hand_out(i, taken, results, active, on_tokens)
-            if not active.any():
-                break
-            outputs = queued if queued is not None else step(*args)
-        return results
-
-    @contextlib.contextmanager
-    def _caches(self, lengths: list[int]):
-        """The models' paged caches for one generate call, and its block table [n, M]: row i holds
-        lengths[i] positions in blocks of its own. An eager decoder frees the caches after the call. A
-        compiled one keeps them (its graphs are specialized to their shapes) and sizes the pool and the
-        table's width in powers of two, at least the pool it has, so that a long-lived decoder meets few
-        shapes."""
-        num_blocks, block_table = contiguous_block_table(lengths)
-        if self.compiled:
-            num_blocks = max(self._pool_blocks(), _power_of_two(num_blocks))
-            block_table = F.pad(block_table, (0, _power_of_two(block_table.shape[1]) - block_table.shape[1]))
-        if self._pool_blocks() != num_blocks:
-            self.target.setup_caches(num_blocks, KV_BLOCK_SIZE)
-            if self.drafter is not None:
-                self.drafter.setup_caches(num_blocks, KV_BLOCK_SIZE)
-        try:
-            yield block_table.to(self.device)
-        finally:
-            if not self.compiled:  # an eager target's forward is a plain causal forward again
-                self.target.drop_caches()
-                if self.drafter is not None:
-                    self.drafter.drop_caches()
-
-    def _pool_blocks(self) -> int:
-        """The number of blocks of the caches in place (0: none)."""
-        cache = self.target.layers[0].kv_cache
-        return 0 if cache is None else cache.k_pool.shape[1]
-
-    def prefill_prompts(self, prompts: list[list[int]], block_table: torch.Tensor,
-                        sampling: SamplingTensors) -> torch.Tensor:
-        """Prefills whole prompts (block_table [n, M] their blocks), one forward per prompt length ->
-        their first tokens [n]."""
-        device = self.device
-        first = torch.empty(len(prompts), dtype=torch.long, device=device)
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(i)
-        for group in by_length.values():
-            rows = torch.tensor(group, device=device)
-            first[rows] = self.prefill(torch.tensor([prompts[i] for i in group], device=device), [0] * len(group),
-                                       block_table[rows], sampling_rows(sampling, rows))[0]
-        return first
+    # ------------------------------------------------------------------ prompts
 
     def prefill(self, tokens: torch.Tensor, begins: list[int], block_table: torch.Tensor,
                 sampling: SamplingTensors | None, next_tokens: torch.Tensor | None = None):
@@ -419,11 +279,3 @@ class SpeculativeDecoder:
             return first, token_logprobs(logits, next_tokens)
         wanted = sampling is not None and sampling.wants_logprobs
         return first, token_logprobs(logits, first[:, None]) if wanted else None
-
-    @staticmethod
-    def _hand_out(i: int, taken: list[int], results, active, on_tokens) -> None:
-        """Streams the tokens request i has just taken; a finished request leaves the active rows."""
-        if results[i].finished:
-            active[i] = False
-        if on_tokens is not None and taken:
-            on_tokens(i, taken)

@@ -32,6 +32,7 @@ from dspark.checkpoint import load_drafter
 from dspark.data import DOMAINS, Prompt, heldout_prompts, render, training_prompts
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
 from dspark.drafter import DSparkDrafter
+from dspark.engine import generate
 from dspark.loading import DTYPES, device_arg, load_default, load_default_target, measuring_dtype
 from dspark.output import GenerationResult
 from dspark.sampling import SamplingParams
@@ -74,7 +75,7 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[
     """Decodes the prompts in batches; returns each prompt's counters."""
     results = []
     for begin in range(0, len(prompts), batch_size):
-        results += decoder.generate(prompts[begin:begin + batch_size], params[begin:begin + batch_size])
+        results += generate(decoder, prompts[begin:begin + batch_size], params[begin:begin + batch_size])
     return acceptances(results)
 
 

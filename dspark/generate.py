@@ -13,6 +13,7 @@ import torch
 
 from dspark.checkpoint import load_drafter
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
+from dspark.engine import generate
 from dspark.loading import DTYPES, device_arg, fast_dtype, load_default, load_gguf, load_target
 from dspark.sampling import SamplingParams
 from dspark.tokenizer import IncrementalDecoder, Tokenizer
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
 
     began = time.perf_counter()
     try:
-        result = decoder.generate([prompt], args.params, on_tokens=show)[0]
+        result = generate(decoder, [prompt], args.params, on_tokens=show)[0]
     except ValueError as error:  # checked before the first token: the prompt and max_tokens past the model's length
         raise SystemExit(f"python -m dspark.generate: {error}") from None
     seconds = time.perf_counter() - began

@@ -99,6 +99,22 @@ def test_only_loopback_addresses_get_the_host_check(host, loopback):
     assert serve_main.is_loopback(host) == loopback
 
 
+def test_the_step_is_compiled_by_default_on_cuda_only(capsys):
+    """vLLM's default: compiled unless --enforce-eager; --compile and --no-compile decide where given."""
+    def compiles(*argv, device="cpu"):
+        args = serve_main.parse_args(list(argv))
+        args.device = device  # (this machine may have no CUDA device to name)
+        return serve_main.compiles(args)
+    assert compiles(device="cuda") and not compiles("--enforce-eager", device="cuda")
+    assert not compiles("--no-compile", device="cuda") and not compiles() and compiles("--compile")
+    assert compiles("--compile-cache", "c.bin")
+    for argv, words in [(["--no-compile", "--compile-cache", "c.bin"], "--no-compile excludes --compile-cache"),
+                        (["--enforce-eager", "--compile"], "--enforce-eager excludes --compile")]:
+        with pytest.raises(SystemExit):
+            serve_main.parse_args(argv)
+        assert words in capsys.readouterr().err
+
+
 def test_a_log_stats_interval_that_is_not_positive_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_main.parse_args(["--log-stats-interval", "0"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, TargetConfig, TargetModel
+from dspark.engine import generate
 from dspark.output import GenerationResult, StopCondition
 from dspark.sampling import apply_filters
 from dspark.tokenizer import Tokenizer
@@ -53,7 +54,7 @@ def test_greedy_equals_target_greedy(architecture, k, method):
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, rejection_sample_method=method)
-    for prompt, result in zip(prompts, decoder.generate(prompts, params)):
+    for prompt, result in zip(prompts, generate(decoder, prompts, params)):
         assert result.tokens == target_greedy(target, prompt, 12)
         assert len(result.accepted_per_position) == k
 
@@ -65,7 +66,7 @@ def test_greedy_rows_of_a_mixed_batch_equal_target_greedy():
               SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=0)]
     for method in ("standard", "block"):
         decoder = SpeculativeDecoder(target, drafter, rejection_sample_method=method)
-        greedy, _ = decoder.generate([[1, 2, 3], [1, 2, 3]], params)
+        greedy, _ = generate(decoder, [[1, 2, 3], [1, 2, 3]], params)
         assert greedy.tokens == target_greedy(target, [1, 2, 3], 12)
 
 
@@ -73,11 +74,11 @@ def test_greedy_drafts_without_rejection_sampling_are_lossless_and_plain_decodin
     target, drafter = tiny_pair(vocab=64, logit_std=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     expected = target_greedy(target, [3, 1, 4], 10)
-    assert SpeculativeDecoder(target, None).generate([[3, 1, 4]], params)[0].tokens == expected
+    assert generate(SpeculativeDecoder(target, None), [[3, 1, 4]], params)[0].tokens == expected
     greedy_drafts = SpeculativeDecoder(target, drafter, use_rejection_sampling=False)
-    assert greedy_drafts.generate([[3, 1, 4]], params)[0].tokens == expected
+    assert generate(greedy_drafts, [[3, 1, 4]], params)[0].tokens == expected
     no_drafts = SpeculativeDecoder(target, drafter, num_speculative_tokens=0)  # K = 0 with a drafter: none
-    result = no_drafts.generate([[3, 1, 4]], params)[0]
+    result = generate(no_drafts, [[3, 1, 4]], params)[0]
     assert (result.tokens, result.accepted_per_position, no_drafts.drafter) == (expected, [], None)
 
 
@@ -109,7 +110,7 @@ def sample_first_three(decoder: SpeculativeDecoder, prompt: list[int], params: S
                        seed: int = 0) -> np.ndarray:
     """Counts [V^3] of the first three tokens of n requests (seeds seed n .. seed n + n - 1)."""
     params = [SamplingParams(**{**params.__dict__, "seed": seed * n + i}) for i in range(n)]
-    results = decoder.generate([prompt] * n, params)
+    results = generate(decoder, [prompt] * n, params)
     return first_three_counts([r.tokens for r in results], decoder.target.config.vocab_size)
 
 
@@ -307,8 +308,8 @@ def test_same_seed_reproduces_and_differs_across_seeds():
     target, drafter = tiny_pair(vocab=64)
     decoder = SpeculativeDecoder(target, drafter)
     params = [SamplingParams(temperature=1.0, max_tokens=16, seed=s, ignore_eos=True) for s in (1, 1, 2)]
-    first, again, other = decoder.generate([[1, 2, 3]] * 3, params)
-    alone = decoder.generate([[1, 2, 3]], params[0])[0]
+    first, again, other = generate(decoder, [[1, 2, 3]] * 3, params)
+    alone = generate(decoder, [[1, 2, 3]], params[0])[0]
     assert first.tokens == again.tokens == alone.tokens
     assert first.tokens != other.tokens
 
@@ -327,7 +328,7 @@ def test_stop_tokens_strings_and_max_tokens_end_where_plain_decoding_does():
 
     stop_text = f"{plain[3]} {plain[4]}"
     decoder = SpeculativeDecoder(target, drafter, tokenizer=Digits())
-    by_token, by_string, by_length = decoder.generate([[1, 2, 3]] * 3, [
+    by_token, by_string, by_length = generate(decoder, [[1, 2, 3]] * 3, [
         SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]),
         SamplingParams(temperature=0, max_tokens=20, stop=stop_text),
         SamplingParams(temperature=0, max_tokens=7)])
@@ -364,7 +365,7 @@ def test_stop_strings_end_at_the_first_token_whose_sent_text_holds_one(default_t
 def test_forced_acceptance_accepts_exactly_n_per_step():
     target, drafter = tiny_pair(vocab=64)
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, forced_num_accepted=2)
-    result = decoder.generate([[1, 2]], SamplingParams(temperature=1.0, max_tokens=31, ignore_eos=True))[0]
+    result = generate(decoder, [[1, 2]], SamplingParams(temperature=1.0, max_tokens=31, ignore_eos=True))[0]
     assert result.num_steps == 10  # 1 token from the prefill, then 3 per step
     assert result.accepted_per_position == [10, 10, 0, 0]
 
@@ -390,7 +391,7 @@ def test_prefill_attention_keeps_cudnn_out_and_decode_steps_run_no_sdpa(monkeypa
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_attention)
     monkeypatch.setattr(decoder, "prefill", recording_prefill)
-    decoder.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+    generate(decoder, [[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
     assert cudnn_allowed == {"prefill": {False}, "decode": set()}
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the prefill
 
@@ -411,18 +412,18 @@ def test_bad_arguments_raise():
         SpeculativeDecoder(target, drafter, num_speculative_tokens=2, max_draft_len=3)
     decoder = SpeculativeDecoder(target, drafter)
     with pytest.raises(ValueError, match="0 SamplingParams for 1 prompts"):  # [] once meant the defaults
-        decoder.generate([[1]], [])
+        generate(decoder, [[1]], [])
     with pytest.raises(ValueError, match="outside"):
-        decoder.generate([[1, 99]])
+        generate(decoder, [[1, 99]])
     with pytest.raises(ValueError, match="need a tokenizer"):
-        decoder.generate([[1]], SamplingParams(stop="x"))
-    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
-        decoder.generate([[1]], cuda_graph=True)
+        generate(decoder, [[1]], SamplingParams(stop="x"))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        generate(decoder, [[1]], cuda_graphs=True)
     for prompts in ([[1.0, 2.5]], [[True, 2]], [1, 2, 3], [torch.tensor([1, 2])], ["hello"]):
         with pytest.raises(ValueError, match="prompt 0 must be a list of token ids"):  # once deep in torch
-            decoder.generate(prompts)
+            generate(decoder, prompts)
     with pytest.raises(ValueError, match="params must be SamplingParams, got dict"):
-        decoder.generate([[1]], [dict(max_tokens=3)])
+        generate(decoder, [[1]], [dict(max_tokens=3)])
 
 
 def test_a_drafter_that_does_not_fit_the_target_is_refused_naming_why():
@@ -445,7 +446,7 @@ def test_an_eager_generate_frees_the_caches_and_the_target_runs_plainly_after_it
     ids = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         before, _ = target(ids, torch.arange(12).expand(2, 12))
-    SpeculativeDecoder(target, drafter).generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=4))
+    generate(SpeculativeDecoder(target, drafter), [[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=4))
     assert target.kv_block_size is None and drafter.kv_block_size is None
     with torch.no_grad():
         after, _ = target(ids, torch.arange(12).expand(2, 12))
@@ -453,34 +454,35 @@ def test_an_eager_generate_frees_the_caches_and_the_target_runs_plainly_after_it
 
 
 @pytest.mark.parametrize("k", [0, 4])
-def test_queuing_the_next_step_before_reading_this_one_changes_nothing(monkeypatch, k):
-    """On CUDA generate queues step n + 1 before it reads step n, so a row runs one step past the
-    step that ends it: the same tokens, counts and finish reasons as reading each step at once, for
-    rows of other lengths, temperatures and ends (stop token, max_tokens), the cache big enough."""
+def test_queuing_the_next_step_before_reading_this_one_changes_nothing(k):
+    """With overlap (the engine's default on CUDA) generate queues step n + 1 before it reads step
+    n, so a row runs one step past the step that ends it: the same tokens, counts and finish reasons
+    as reading each step at once, for rows of other lengths, temperatures and ends (stop token,
+    max_tokens), the cache big enough."""
     target, drafter = tiny_pair(vocab=64)
     decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
     params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
-    stop = decoder.generate(prompts, params)[0].tokens[5]  # a token the first row emits
+    stop = generate(decoder, prompts, params)[0].tokens[5]  # a token the first row emits
     params = [dataclasses.replace(p, stop_token_ids=[stop]) for p in params]
-    at_once = decoder.generate(prompts, params)
-    monkeypatch.setattr(SpeculativeDecoder, "reads_behind", True)
-    behind = decoder.generate(prompts, params)
+    at_once = generate(decoder, prompts, params, overlap=False)
+    behind = generate(decoder, prompts, params, overlap=True)
     fields = lambda r: (r.tokens, r.accepted_per_position, r.num_steps, r.finish_reason)
     assert [fields(r) for r in behind] == [fields(r) for r in at_once]
     assert {r.finish_reason for r in at_once} == {"stop", "length"}
     if k:  # the step past the end reaches furthest when every step accepts all K drafts
         full = SpeculativeDecoder(target, drafter, num_speculative_tokens=k, forced_num_accepted=k)
         for max_tokens in range(2, 3 * (k + 1)):
-            result = full.generate([[1, 2, 3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+            result = generate(full, [[1, 2, 3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              overlap=True)[0]
             assert len(result.tokens) == max_tokens
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [0, 4])
 def test_generate_replayed_from_a_cuda_graph_equals_eager_steps(k):
-    """cuda_graph=True (self-distillation's generation on the GPU): the same tokens and acceptance
+    """cuda_graphs=True (self-distillation's generation on the GPU): the same tokens and acceptance
     counts as eager steps, for greedy and seeded sampled rows of other lengths in one batch, some
     ending early at a stop token."""
     target, drafter = tiny_pair(vocab=64)
@@ -489,10 +491,10 @@ def test_generate_replayed_from_a_cuda_graph_equals_eager_steps(k):
     decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k)
     params = [SamplingParams(temperature=float(i % 2), max_tokens=12 + 5 * i, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
-    stop = decoder.generate(prompts, params)[0].tokens[5]  # a token the first row emits
+    stop = generate(decoder, prompts, params)[0].tokens[5]  # a token the first row emits
     params = [dataclasses.replace(p, stop_token_ids=[stop]) for p in params]
-    eager = decoder.generate(prompts, params)
-    graphed = decoder.generate(prompts, params, cuda_graph=True)
+    eager = generate(decoder, prompts, params)
+    graphed = generate(decoder, prompts, params, cuda_graphs=True)
     assert [(r.tokens, r.accepted_per_position) for r in graphed] == \
         [(r.tokens, r.accepted_per_position) for r in eager]
     assert {r.finish_reason for r in eager} == {"stop", "length"}
@@ -510,7 +512,7 @@ def test_a_compiled_decoder_serves_any_length_and_batch_without_failing():
     graphs = counters["stats"]["unique_graphs"]
     for n in range(12):
         prompts = [[1 + i] * (2 + n + i) for i in range(1 + n % 2)]
-        decoder.generate(prompts, SamplingParams(temperature=float(n % 2), max_tokens=3 + n, seed=n))
+        generate(decoder, prompts, SamplingParams(temperature=float(n % 2), max_tokens=3 + n, seed=n))
     assert target.layers[0].kv_cache.k_pool.shape[1] == 8  # 1 + 2 rows x 3 blocks of 16 (14 + 14 + 2 (K + 1)), to 8
     assert counters["stats"]["unique_graphs"] - graphs <= 6
 
@@ -520,6 +522,6 @@ def test_compiled_step_matches_eager(vectorized_inductor):
     code (about two minutes on 2 cores), a greedy and a sampled row in one batch."""
     target, drafter = tiny_pair(vocab=64)
     params = [SamplingParams(temperature=t, max_tokens=8, seed=5, ignore_eos=True) for t in (0.0, 1.0)]
-    eager = SpeculativeDecoder(target, drafter).generate([[1, 2, 3], [4, 5]], params)
-    compiled = SpeculativeDecoder(target, drafter, compile=True).generate([[1, 2, 3], [4, 5]], params)
+    eager = generate(SpeculativeDecoder(target, drafter), [[1, 2, 3], [4, 5]], params)
+    compiled = generate(SpeculativeDecoder(target, drafter, compile=True), [[1, 2, 3], [4, 5]], params)
     assert [r.tokens for r in compiled] == [r.tokens for r in eager]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark import DrafterConfig, DSparkDrafter, SamplingParams, SpeculativeDecoder, load_default
+from dspark.engine import generate
 from test_decoder import target_greedy as greedy_continuation
 
 NEW_TOKENS = 16
@@ -49,21 +50,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def test_random_drafter_greedy_is_the_targets(default_pair, random_drafter, prompt, target_greedy, k, method):
     target, _, _ = default_pair
     decoder = SpeculativeDecoder(target, random_drafter, num_speculative_tokens=k, rejection_sample_method=method)
-    assert decoder.generate([prompt], GREEDY)[0].tokens == target_greedy
+    assert generate(decoder, [prompt], GREEDY)[0].tokens == target_greedy
 
 
 def test_shipped_drafter_greedy_is_the_targets_and_accepts(default_pair, prompt, target_greedy):
     target, drafter, _ = default_pair
-    result = SpeculativeDecoder(target, drafter).generate([prompt], GREEDY)[0]
+    result = generate(SpeculativeDecoder(target, drafter), [prompt], GREEDY)[0]
     assert result.tokens == target_greedy
     assert result.accepted_per_position[1] > 0  # the trained drafter gets several drafts accepted in a step
 
 
 def test_the_target_writes_prompts_that_end_and_are_kept_once(default_pair, tmp_path):
-    """dspark.data.synthetic_prompts on SmolLM2: of 12 attempts at a user message (48 tokens at most)
+    """dspark.train.self_distill.synthetic_prompts on SmolLM2: of 12 attempts at a user message (48 tokens at most)
     the kept ones are those the target ended itself, each text once, no template token inside; a
     prompt given as held-out is left out, and a second call reads the cache."""
-    from dspark.data import Prompt, synthetic_prompts
+    from dspark.data import Prompt
+    from dspark.train.self_distill import synthetic_prompts
     target, _, tokenizer = default_pair
     kept = synthetic_prompts(target, tokenizer, tmp_path / "w.jsonl", 12, seed=0, max_tokens=48, batch_size=12)
     rows = [json.loads(line) for line in (tmp_path / "w.jsonl").read_text().splitlines()[1:]]

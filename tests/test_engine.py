@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
-from dspark.engine import Engine, EngineStopped
+from dspark.engine import Engine, EngineStopped, generate
 from dspark.compile.runner import blocks_per_request, default_k_choices
 from dspark.engine.speculation import StepK
 from dspark.serve.openai import speculation
@@ -35,7 +35,7 @@ def make_engine(decoder, max_batch=4, max_model_len=64, **options) -> Engine:
 
 
 def decode_alone(target, drafter, prompt, params, k=4):
-    return SpeculativeDecoder(target, drafter, num_speculative_tokens=k).generate([prompt], params)[0].tokens
+    return generate(SpeculativeDecoder(target, drafter, num_speculative_tokens=k), [prompt], params)[0].tokens
 
 
 @torch.inference_mode()
@@ -81,7 +81,7 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method,
     target, drafter = (m.to(device) for m in tiny_pair(vocab=64, logit_std=1.0, block_size=4))
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4, rejection_sample_method=method)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=-1234, ignore_eos=True)
-    alone = decoder.generate([[3, 1, 4]], params)[0].tokens
+    alone = generate(decoder, [[3, 1, 4]], params)[0].tokens
     engine = make_engine(decoder, max_batch=4, max_model_len=64)
     others = [engine.submit([2, 7, 1, 8], SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True))
               for n in (5, 11)]
@@ -224,7 +224,7 @@ def test_a_generate_on_the_engines_models_stops_it_instead_of_corrupting_request
     engine.submit([1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     engine.step()
     engine.step()
-    SpeculativeDecoder(target, drafter).generate([[5]], SamplingParams(max_tokens=3))
+    generate(SpeculativeDecoder(target, drafter), [[5]], SamplingParams(max_tokens=3))
     with pytest.raises(RuntimeError, match="caches are no longer this StepRunner's"):
         engine.step()
 
@@ -379,14 +379,14 @@ def test_logprobs_are_the_targets_log_softmax_at_each_token(one_thread):
     assert asking.num_cached == 0 and plain.num_cached == 8 and plain.result.logprobs is None
 
 
-def test_logprobs_are_asked_in_range_and_of_the_engine():
+def test_logprobs_are_asked_in_range_and_given_by_generate_too():
     for name in ("logprobs", "prompt_logprobs"):
         for bad in (-1, 21, 1.5, True):
             with pytest.raises(ValueError, match=f"{name} must be an int in \\[0, 20\\] or None"):
                 SamplingParams(**{name: bad})
     target, drafter = tiny_pair(vocab=64, block_size=4)
-    with pytest.raises(ValueError, match="returned by dspark.engine.Engine, not by generate"):
-        SpeculativeDecoder(target, drafter).generate([[1, 2]], SamplingParams(logprobs=1))
+    result = generate(SpeculativeDecoder(target, drafter), [[1, 2]], SamplingParams(logprobs=1, max_tokens=5))[0]
+    assert len(result.logprobs) == len(result.tokens) == 5 and all(len(e.top) == 1 for e in result.logprobs)
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ import torch
 from dspark.config import DrafterConfig, TargetConfig
 from dspark.data import DOMAINS, Prompt
 from dspark.decoder import SpeculativeDecoder
+from dspark.engine import generate
 from dspark.drafter import DSparkDrafter
 from dspark import eval as evaluation
 from dspark.eval import drafter_labels, evaluate, markdown_table
@@ -57,7 +58,7 @@ def test_rows_are_the_decoders_counters(pair, temperature, top_p):
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}]) for p in PROMPTS]
         params = [SamplingParams(temperature=temperature, top_p=top_p, seed=5 + i, max_tokens=12, stop_token_ids=[1])
                   for i in range(len(PROMPTS))]
-        results = decoder.generate(prompts, params)
+        results = generate(decoder, prompts, params)
         steps = sum(r.num_steps for r in results)
         accepted = [sum(r.accepted_per_position[k] for r in results) for k in range(K)]
         assert row.total.steps == steps and row.total.accepted == accepted

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dspark import train as training
-from dspark.data import DOMAINS, Sequence, heldout_prompts, response_params, self_distill, training_prompts
+from dspark.data import DOMAINS, Sequence, heldout_prompts, training_prompts
+from dspark.train.self_distill import response_params, self_distill
 from tiny_training import random_prompts, target  # noqa: F401  (target: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

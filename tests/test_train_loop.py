@@ -8,8 +8,9 @@ import torch
 
 from dspark import train as training
 from dspark.decoder import SpeculativeDecoder
+from dspark.engine import generate
 from dspark.drafter import DSparkDrafter
-from dspark.data import self_distill
+from dspark.train.self_distill import self_distill
 from dspark.sampling import SamplingParams
 from dspark.target import TargetModel
 from dspark.train import loop, schedule
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def greedy_acceptance_length(target: TargetModel, drafter: DSparkDrafter) -> float:
     decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=drafter.block_size)
-    results = decoder.generate(random_prompts(8, seed=2), SamplingParams(temperature=0.0, max_tokens=24))
+    results = generate(decoder, random_prompts(8, seed=2), SamplingParams(temperature=0.0, max_tokens=24))
     return 1 + sum(sum(r.accepted_per_position) for r in results) / sum(r.num_steps for r in results)
 
 

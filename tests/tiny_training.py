@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dspark.config import DrafterConfig, TargetConfig
-from dspark.data import Sequence, self_distill
+from dspark.data import Sequence
+from dspark.train.self_distill import self_distill
 from dspark.target import TargetModel
 
 VOCAB = 64

@@ -100,12 +100,16 @@ class StepRunner:
         self.block_table[slot] = row.to(self.block_table.device, non_blocking=True)
         self.widths[slot] = len(blocks)
 
-    def set_params(self, params: list[SamplingParams]) -> None:
-        """Every slot's sampling parameters ([max_batch]; IDLE for slots no request uses)."""
-        new = SamplingTensors.from_params(params, self.tokens.device)
+    def set_params(self, params: list[SamplingParams] | dict[int, SamplingParams]) -> None:
+        """The sampling parameters of every slot ([max_batch]) or of some ({slot: params}); IDLE for
+        a slot no request uses."""
+        changes = params if isinstance(params, dict) else dict(enumerate(params))
+        new = SamplingTensors.from_params(list(changes.values()), self.tokens.device)
+        index = torch.tensor(list(changes), device=self.tokens.device)
         for name in SAMPLING_FIELDS:
-            getattr(self._sampling, name).copy_(getattr(new, name))
-        self.params = list(params)
+            getattr(self._sampling, name)[index] = getattr(new, name)
+        for slot, slot_params in changes.items():
+            self.params[slot] = slot_params
 
     def sampling(self, index: slice | torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
         """The sampling tensors of these slots (views or copies) with their parameters' flags."""

@@ -148,6 +148,7 @@ class Engine:
         self.readbacks: dict[tuple, Readback] = {}  # host buffers, by the shapes copied and the launch's parity
         self.launches = 0
         self.slots: list[Request | None] = [None] * max_num_seqs
+        self.new_params: dict[int, SamplingParams] = {}  # slots' parameters the runner has yet to be given
         self.incoming: queue.Queue[Request | None] = queue.Queue()  # from submit(), for the engine's thread
         self.stats = EngineStats(accepted_per_position=[0] * decoder.k)
         self.stopped = threading.Event()
@@ -287,6 +288,7 @@ class Engine:
         self._advance()
         for request in requests:
             runner.set_blocks(request.slot, request.blocks)
+        self._set_params()
         batch = runner.bucket(1 + max(r.slot for r in requests))
         k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch)
         timer = StepTimer(runner.tokens.device)
@@ -405,6 +407,7 @@ class Engine:
         index = torch.tensor([r.slot for r in requests], device=runner.tokens.device)
         runner.tokens[index, 0] = torch.tensor([r.result.tokens[-1] for r in requests], device=index.device)
         runner.start[index] = torch.tensor([r.num_computed for r in requests], device=index.device)
+        self.new_params.update((r.slot, r.params) for r in requests)
         self._set_params()
         if self.decoder.drafter is not None:
             runner.draft([r.slot for r in requests])
@@ -415,13 +418,14 @@ class Engine:
         self.stale_drafts.discard(request.slot)
         self.runner.set_blocks(request.slot, [])
         self.runner.start[request.slot] = 0
+        self.new_params[request.slot] = IDLE
         request.slot = None
-        self._set_params()
 
     def _set_params(self) -> None:
-        params = [IDLE if r is None else r.params for r in self.slots]
-        if params != self.runner.params:
-            self.runner.set_params(params)
+        """Hands the runner the sampling parameters of the slots that changed hands since it last had them."""
+        if self.new_params:
+            self.runner.set_params(self.new_params)
+            self.new_params = {}
 
     def _hand_out(self, request: Request, taken: list[int]) -> None:
         """Hands the request the tokens it has just taken; finishes it when it is done."""

@@ -7,10 +7,11 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
 
---speculative-config takes vLLM's keys (dspark/compile/options.py). On CUDA the decode step is
-replayed from CUDA graphs (one per batch-size bucket and sampling variant, captured at first use);
---enforce-eager turns them off. --compile runs the step through torch.compile; `python -m
-dspark.compile.warmup` with the same options compiles it ahead of time into a --compile-cache.
+--speculative-config takes vLLM's keys (dspark/compile/options.py). On CUDA the decode step runs
+through torch.compile and is replayed from CUDA graphs (one per batch-size bucket, sampling variant
+and number of drafts verified, captured at first use); --enforce-eager turns both off, --no-compile
+the first. `python -m dspark.compile.warmup` with the same options compiles the step ahead of time
+into a --compile-cache, so that the server's first requests do not wait for the compiler.
 The options are checked, and the port bound, before the model loads. docs/serving.md is the
 server's reference.
 """
@@ -25,6 +26,8 @@ import socket
 import sys
 import threading
 from pathlib import Path
+
+import torch
 
 from dspark.compile.cache import load_compile_cache
 from dspark.compile.options import (add_model_args, build_decoder, check_engine_args, compiled_step_options,
@@ -78,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds an idle keep-alive connection is kept (uvicorn's flag)")
     add_model_args(p)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, no torch.compile (vLLM's flag)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on CUDA, unless --enforce-eager)")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="compiled code from python -m dspark.compile.warmup (implies --compile)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
@@ -98,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{name} must be >= {low}, got {value}")
     if args.enforce_eager and (args.compile or args.compile_cache):
         p.error("--enforce-eager excludes --compile and --compile-cache")
+    if args.compile is False and args.compile_cache is not None:
+        p.error("--no-compile excludes --compile-cache")
     if not args.log_stats_interval > 0:
         p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     speculative_config(args.speculative_config)  # exits naming a bad key or value
@@ -148,11 +154,19 @@ def raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def compiles(args: argparse.Namespace) -> bool:
+    """Whether the server compiles its step: as --compile says, with a --compile-cache, else on CUDA
+    unless --enforce-eager (the compiled step is the fast one there: python -m bench.engine_step)."""
+    if args.compile is not None or args.compile_cache is not None:
+        return args.compile is not False
+    return torch.device(args.device).type == "cuda" and not args.enforce_eager
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     sock = listen(args.host, args.port)
     raise_open_files_limit()
-    compile = args.compile or args.compile_cache is not None
+    compile = compiles(args)
     print(f"dspark: loading {args.model or 'the default model pair'} ...", file=sys.stderr, flush=True)
     try:
         decoder, tokenizer = build_decoder(args, compile)
