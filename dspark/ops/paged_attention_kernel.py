@@ -95,7 +95,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lo_ptr, hi_ptr, o_pt
         kv_offset = ((head_blocks + block) * BLOCK_SIZE + pos % BLOCK_SIZE) * D
         kv_mask = is_key[:, None] & is_d[None, :]
         k = tl.load(k_ptr + kv_offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_R, BLOCK_N], base 2
+        # [BLOCK_R, BLOCK_N], base 2; float32 whatever type qk_scale arrives as (Inductor passes a float64)
+        s = (_dot(q, tl.trans(k), IEEE) * qk_scale).to(tl.float32)
         visible = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
