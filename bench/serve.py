@@ -16,7 +16,8 @@ no HTTP) runs in its own thread with `concurrency` batch slots. Per configuratio
 per second over the wall time, the mean request latency, and the mean acceptance length (tokens
 per step per request). Speculation off (K = 0), on at a fixed K (the default drafter, K = 7, block
 verification) and on with K chosen per step (dspark.engine.speculation) run at each concurrency and
-temperature, taking turns over `--rounds`.
+temperature, taking turns over `--rounds`; per-step K keeps what it measured from one round to the
+next (from the warm-up round on), as a long-lived server's engine does.
 
     python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
 """
@@ -85,10 +86,12 @@ def engine_load(args) -> None:
                 "DSpark per-step K, block": (block, default_k_choices(7))}
     configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in decoders]
     results = {config: [] for config in configs}
+    choosers = {}  # per (concurrency, configuration): per-step K keeps what it measured, as in a long-lived server
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for concurrency, temperature, name in configs:
             decoder, k_choices = decoders[name]
             engine = Engine(decoder, max_batch=concurrency, max_model_len=1024, k_choices=k_choices)
+            engine.speculation = choosers.setdefault((concurrency, name), engine.speculation)
             thread = threading.Thread(target=engine.run, daemon=True)
             thread.start()
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
