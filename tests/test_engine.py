@@ -495,3 +495,24 @@ def test_with_overlap_a_finished_requests_next_step_runs_and_hands_it_nothing(on
     assert steps.count([True]) > len(first.result.accepted_per_position) // 4  # it ran a step past its end
     assert second.result.tokens == target_greedy(target, [4, 5], 9)
     assert engine.stats.generation_tokens == 18
+
+
+@torch.inference_mode()
+def test_generate_streams_each_prompts_tokens_and_raises_what_its_prefill_raised(monkeypatch):
+    """dspark.engine.generate is a client of the engine: on_tokens hears every prompt's tokens in
+    order (they add up to its result), and a prompt chunk that fails (the engine hands the error to
+    its requests and goes on) fails the call."""
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    decoder = SpeculativeDecoder(target, drafter, num_speculative_tokens=4)
+    streamed = {0: [], 1: []}
+    params = [SamplingParams(temperature=t, max_tokens=9, seed=3, ignore_eos=True) for t in (0.0, 1.0)]
+    results = generate(decoder, [[1, 2, 3], [4]], params, on_tokens=lambda i, tokens: streamed[i].extend(tokens))
+    assert [streamed[0], streamed[1]] == [r.tokens for r in results] and [len(r.tokens) for r in results] == [9, 9]
+    assert results[0].tokens == target_greedy(target, [1, 2, 3], 9)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(decoder, "prefill", out_of_memory)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        generate(decoder, [[1, 2]])
+    assert target.kv_block_size is None  # the caches freed all the same
