@@ -242,3 +242,34 @@ def _llama3_rope_scaling(config: TargetConfig, divisors: torch.Tensor, file: Pat
         raise ValueError(f"{file}: tensor 'rope_freqs.weight' is not Llama 3 RoPE scaling "
                          "(low_freq_factor 1, high_freq_factor 4, original context 8192)")
     return scaling
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The options load_models reads (with --drafter): the model, its tokenizer, dtype and device."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="an HF folder or its tokenizer.json, with the folder's chat template (default: the model's)")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto: bfloat16 on CUDA and on CPUs with bfloat16 kernels, else float32")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_models(args: argparse.Namespace):
+    """The target, drafter and tokenizer that add_model_args' options (and --drafter) name."""
+    dtype = fast_dtype(args.device) if args.dtype == "auto" else DTYPES[args.dtype]
+    if args.model is None:
+        target, drafter, tokenizer = load_default(dtype=dtype, device=args.device)
+    else:
+        drafter = None
+        if args.model.endswith(".gguf"):
+            target, tokenizer = load_gguf(args.model, dtype=dtype, device=args.device)
+        else:
+            target, tokenizer = load_target(args.model, dtype=dtype, device=args.device), \
+                Tokenizer.from_pretrained(args.model)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_path(args.tokenizer)
+    if args.drafter == "none":
+        drafter = None
+    elif args.drafter is not None:
+        drafter = load_drafter(args.drafter, target)
+    return target, drafter, tokenizer

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from dspark.compile.runner import default_k_choices
 from dspark.decoder import VERIFY_METHODS, SpeculativeDecoder
-from dspark.generate import add_model_args as add_model_source_args
-from dspark.generate import load_models
+from dspark.loading import add_model_args as add_model_source_args
+from dspark.loading import load_models
 from dspark.kv_cache import DEFAULT_KV_CACHE_GIB, KV_BLOCK_SIZE
 
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "rejection_sample_method", "draft_sample_method",
