@@ -1,5 +1,5 @@
-"""What a request has produced, and when it is finished: the decoder's and the engine's shared
-bookkeeping of emitted tokens."""
+"""What a request has produced, and when it is finished: the engine's bookkeeping of emitted tokens
+and their text (each request's one detokenisation, which the server's streams read)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,14 +24,18 @@ class GenerationResult:
     finished: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs asks for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
+    text: str = ""  # with SamplingParams.detokenize or stop strings: the tokens' text (see StopCondition)
 
 
 class StopCondition:
-    """Decides, one emitted token at a time, whether a request is finished. Stop strings are looked
-    for in the text a client is sent: special tokens skipped, and a character whose bytes span
-    tokens read once its last byte has come (IncrementalDecoder; vLLM's detokenizer does the same).
-    A stop string found must end in the newest piece of text, so only that piece and the characters
-    before it that the longest stop string could reach back to are searched."""
+    """Decides, one emitted token at a time, whether a request is finished, and builds its text when
+    the request wants it (SamplingParams.detokenize) or its stop strings need it: the request's one
+    detokenisation (vLLM's output processor's job), which the server's streams read. The text leaves
+    out stop tokens and special tokens, reads a character whose bytes span tokens once its last byte
+    has come (IncrementalDecoder; vLLM's detokenizer does the same), follows on from the prompt's
+    text, and ends before the first stop string. A stop string found must end in the newest piece,
+    so only that piece and the `keep` characters before it (the longest stop string's reach) are
+    searched."""
 
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], tokenizer=None, prompt: Sequence[int] = ()):
         self.max_tokens = params.max_tokens
@@ -42,35 +46,49 @@ class StopCondition:
         if self.stop_strings and tokenizer is None:
             raise ValueError(f"stop strings {self.stop_strings!r} need a tokenizer: "
                              "pass tokenizer= to SpeculativeDecoder")
-        self.text = (IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
-                     if self.stop_strings else None)
+        if params.detokenize and tokenizer is None:
+            raise ValueError("detokenize=True needs a tokenizer: pass tokenizer= to SpeculativeDecoder")
+        self.pieces = (IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
+                       if self.stop_strings or params.detokenize else None)
         self.keep = max((len(s) for s in self.stop_strings), default=1) - 1
-        self.tail = ""  # the text's last `keep` characters
+        self.text = ""
 
     def finished(self, tokens: list[int]) -> str | None:
         """`tokens` just grew by one (each token passes here once, in order); returns the finish
-        reason or None."""
+        reason or None. The text grows by the token's piece (a finished request's is complete)."""
         if tokens[-1] in self.stop_ids:
+            self._flush()
             return "stop"
-        if self.text is not None and self._ends_stop_string(tokens[-1]):
+        if self.pieces is not None and self._add(self.pieces.push(tokens[-1])):
             return "stop"
         if len(tokens) >= self.max_tokens:
+            self._flush()
             return "length"
         return None
 
-    def _ends_stop_string(self, token: int) -> bool:
-        text = self.tail + self.text.push(token)
-        self.tail = text[max(0, len(text) - self.keep):]
-        return any(s in text for s in self.stop_strings)
+    def _add(self, piece: str) -> bool:
+        """Appends a piece of text, cut before a stop string that it completes -> whether one did."""
+        start = max(0, len(self.text) - self.keep)
+        self.text += piece
+        cuts = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+        if cuts:
+            self.text = self.text[:min(cuts)]
+        return bool(cuts)
+
+    def _flush(self) -> None:
+        """No token follows: an incomplete last character is given as a replacement character."""
+        if self.pieces is not None:
+            self._add(self.pieces.flush())
 
     def extend(self, result: GenerationResult, new: list[int]) -> list[int]:
         """Appends `new` to result.tokens one token at a time until the request is finished (then
-        sets result.finish_reason and result.finished); returns the tokens it took."""
+        sets result.finish_reason and result.finished) and keeps result.text; returns the tokens it took."""
         taken = []
         for token in new:
             result.tokens.append(token)
             taken.append(token)
             reason = self.finished(result.tokens)
+            result.text = self.text
             if reason is not None:
                 result.finish_reason, result.finished = reason, True
                 break

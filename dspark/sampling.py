@@ -38,7 +38,9 @@ class SamplingParams:
     `seed=None` draws a fresh random seed when the request is batched. `logprobs=n` returns each
     generated token's log-probability and the n likeliest alternatives' (0 <= n <= MAX_LOGPROBS),
     `prompt_logprobs=n` the same for each prompt token after the first; both are the target's raw
-    log-softmax (before temperature and filters, vLLM's default)."""
+    log-softmax (before temperature and filters, vLLM's default). `detokenize=True` builds the
+    completion's text as it is generated (GenerationResult.text; the server's streams send it),
+    which needs the decoder's tokenizer; stop strings build it in any case."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -50,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    detokenize: bool = False
 
     def __post_init__(self):
         if not (_finite(self.temperature) and self.temperature >= 0):
@@ -72,8 +75,9 @@ class SamplingParams:
         if not (isinstance(stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):

@@ -11,13 +11,14 @@ import openai as openai_client
 import pytest
 import torch
 
-from dspark import SamplingParams, load_target
+from dspark import SamplingParams, SpeculativeDecoder, load_target
+from dspark.engine import Engine
 from dspark.loading import default_gguf_path
-from dspark.output import StopCondition
+from dspark.output import GenerationResult, StopCondition
 from dspark.serve.openai import (BadRequest, ChatCompletionRequest, CompletionRequest, Reply, TextStream,
                                  sample_params)
-from dspark.serve.server import validated
-from test_decoder import STOP_TEXT, complete_text
+from dspark.serve.server import create_app, validated
+from test_decoder import STOP_TEXT, complete_text, tiny_pair
 from test_serve_harness import ServerProcess
 from test_tokenizer import sentencepiece_tokenizer
 
@@ -138,9 +139,10 @@ def test_sample_seeds_are_the_seed_plus_the_index_wrapped_into_int64():
 
 @pytest.mark.parametrize("stop", [[], ["日本"], ["🚀 "], ["x**2", "Прив"], ["e\u0301 d"], ["absent"]])
 def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(default_tokenizer, stop):
-    """What the server streams, delta by delta, joins to the whole output's decode (stop and special
-    tokens left out) cut before its stop string; tokens come in steps of 1 to 4, up to where the
-    engine would stop, with an end-of-turn token in the middle."""
+    """The text the engine builds (StopCondition, once per request) and what the server streams of
+    it, delta by delta, join to the whole output's decode (stop and special tokens left out) cut
+    before its stop string; tokens come in steps of 1 to 4, up to where the engine stops, with a
+    special token (end of turn, not a stop token here) in the middle of a character's bytes."""
     tok = default_tokenizer
     end_of_turn = tok.eos_token_id
     ids = tok.encode(STOP_TEXT)
@@ -150,12 +152,15 @@ def test_streamed_text_is_the_full_decode_cut_at_the_stop_string(default_tokeniz
     ids = ids[:stops_at]
     whole = tok.decode([t for t in ids if t != end_of_turn], skip_special_tokens=True)
     expected = whole[:min([whole.find(s) for s in stop if s in whole], default=len(whole))]
-    stream, deltas, n = TextStream(tok, stop, {end_of_turn}), [], 0
+    params = SamplingParams(stop=stop, max_tokens=len(ids), detokenize=True)  # (end of turn: a special token here)
+    condition, result = StopCondition(params, [], tok), GenerationResult()
+    stream, deltas, n = TextStream(stop), [], 0
     while n < len(ids):
         n = min(len(ids), n + 1 + n % 4)
-        deltas.append(stream.delta(ids[:n], finished=n == len(ids)))
-    assert "".join(deltas) == expected and "\ufffd" not in "".join(deltas)
-    assert TextStream(tok, stop, {end_of_turn}).text(ids, finished=True) == expected
+        condition.extend(result, ids[len(result.tokens):n])
+        deltas.append(stream.delta(result.text, finished=result.finished))
+    assert result.finished and result.tokens == ids
+    assert "".join(deltas) == expected == result.text and "\ufffd" not in result.text
 
 
 def test_the_answer_text_and_its_stop_strings_read_on_from_the_prompt(tmp_path):
@@ -163,27 +168,32 @@ def test_the_answer_text_and_its_stop_strings_read_on_from_the_prompt(tmp_path):
     "Paris.": both what the client is sent and the text the engine's stop strings are looked for in."""
     sp = sentencepiece_tokenizer(tmp_path / "tokenizer.json")
     prompt, answer = sp.encode("The capital is"), sp.encode("Paris.")
-    assert TextStream(sp, [], set(), prompt).text(answer, finished=True) == " Paris."
+    condition, result = StopCondition(SamplingParams(max_tokens=len(answer), detokenize=True), [], sp, prompt), \
+        GenerationResult()
+    condition.extend(result, answer)
+    assert result.text == " Paris."
     params = SamplingParams(stop=" Paris", max_tokens=8)
     assert StopCondition(params, [], sp, prompt).finished(answer[:1]) == "stop"
     assert StopCondition(params, [], sp).finished(answer[:1]) is None  # no prompt: no space
 
 
-def test_streamed_text_keeps_the_tokens_the_engine_appends_while_it_reads(default_tokenizer):
-    tok = default_tokenizer
-    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
-    live = ids[:5]  # the engine's list; it appends ids[5] while the stream decodes
+def test_text_needs_a_tokenizer_and_the_server_the_decoders():
+    with pytest.raises(ValueError, match="detokenize=True needs a tokenizer"):
+        StopCondition(SamplingParams(detokenize=True), [])
+    with pytest.raises(ValueError, match="detokenize must be a bool, got 1"):
+        SamplingParams(detokenize=1)
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    with pytest.raises(ValueError, match="the server needs the decoder's tokenizer"):
+        create_app(Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=16), "tiny", 16)
 
-    class EngineMeanwhile:
-        def decode(self, piece, skip_special_tokens=False):
-            if len(live) == 5:
-                live.append(ids[5])
-            return tok.decode(piece, skip_special_tokens=skip_special_tokens)
 
-    stream = TextStream(EngineMeanwhile(), [], set())
-    first = stream.delta(live, finished=False)
-    live.extend(ids[6:])
-    assert first + stream.delta(live, finished=True) == tok.decode(ids)
+def test_a_stream_never_takes_back_what_it_sent_and_holds_back_what_could_begin_a_stop_string():
+    stream = TextStream(["STOP"])
+    assert stream.delta("Hello ST", finished=False) == "Hello"  # "ST" may begin "STOP"
+    assert stream.delta("Hello STAR", finished=False) == " S"
+    assert stream.delta("Hello STARS", finished=True) == "TARS"
+    cut = TextStream(["lo"])
+    assert cut.delta("Hel", finished=False) == "He" and cut.delta("He", finished=True) == ""  # cut at "lo"
 
 
 def test_every_chunk_of_an_answer_carries_its_created_time(monkeypatch):
@@ -206,7 +216,7 @@ def test_every_sampling_field_of_a_request_reaches_its_sampling_params():
             "max_tokens": 7, "stop": "x", "stop_token_ids": [2], "ignore_eos": True}
     params = validated(body, CompletionRequest).sampling_params(16)
     assert params == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, max_tokens=7,
-                                    stop="x", stop_token_ids=[2], ignore_eos=True)
+                                    stop="x", stop_token_ids=[2], ignore_eos=True, detokenize=True)
     assert validated({**body, "top_k": -1}, CompletionRequest).sampling_params(16).top_k == 0  # vLLM's "off"
     chat = validated({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9},
                      ChatCompletionRequest)

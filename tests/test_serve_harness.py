@@ -40,8 +40,10 @@ def tiny_engine(tokenizer, max_batch: int = 4, max_model_len: int = 256) -> Engi
 
 @contextlib.contextmanager
 def serving(engine: Engine, tokenizer, shutdown_timeout: float = 10.0, **app_options):
-    """The app over `engine` ("tiny", loopback only unless told) on uvicorn in a thread, on a free port."""
-    app = create_app(engine, tokenizer, "tiny", engine.max_model_len, **app_options)
+    """The app over `engine` ("tiny", loopback only unless told) on uvicorn in a thread, on a free port;
+    `tokenizer` becomes the engine's decoder's (the tests' tiny pairs are built without one)."""
+    engine.decoder.tokenizer = tokenizer
+    app = create_app(engine, "tiny", engine.max_model_len, **app_options)
     server = Server(app, engine, shutdown_timeout)
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     compile = compiles(args)
     print(f"dspark: loading {args.model or 'the default model pair'} ...", file=sys.stderr, flush=True)
     try:
-        decoder, tokenizer = build_decoder(args, compile)
+        decoder, _ = build_decoder(args, compile)
         if args.compile_cache is not None:
             try:
                 load_compile_cache(args.compile_cache, decoder.device, compiled_step_options(args, decoder))
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
     except ValueError as error:  # a KV cache too small for --max-model-len
         raise SystemExit(f"{PROG}: {error}") from None
     loopback = is_loopback(args.host)
-    app = create_app(engine, tokenizer, name, args.max_model_len, api_key=args.api_key,
+    app = create_app(engine, name, args.max_model_len, api_key=args.api_key,
                      allowed_origins=args.allowed_origins,
                      hosts=tuple(dict.fromkeys([*LOOPBACK_NAMES, args.host])) if loopback else None)
     server = Server(app, engine, args.shutdown_timeout, args.limit_concurrency, args.timeout_keep_alive,

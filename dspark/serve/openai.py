@@ -27,7 +27,6 @@ from pydantic_core import PydanticCustomError
 
 from dspark.output import GenerationResult, TokenLogprob
 from dspark.sampling import MAX_SEED, SamplingParams
-from dspark.tokenizer import IncrementalDecoder
 
 UNSUPPORTED = ("suffix", "best_of", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "min_tokens", "prompt_logprobs", "store", "tools", "tool_choice", "functions", "parallel_tool_calls",
@@ -157,7 +156,8 @@ class SamplingRequest(Strict):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
                 min_p=self.min_p or 0.0, seed=self.seed, max_tokens=self.max_tokens or default_max_tokens,
-                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos))
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+                detokenize=True)
         except ValueError as error:  # SamplingParams' message starts with the field's name ("top_p must be ...")
             raise BadRequest(str(error), str(error).split()[0]) from error
 
@@ -273,44 +273,17 @@ def check_model(requested: str | None, served: str) -> None:
 
 
 class TextStream:
-    """The text of a request's tokens as it grows, each token decoded once: stop tokens and special
-    tokens left out (as vLLM's default), a stop string and what follows it cut, and held back while
-    it could still be the start of a stop string. The engine's StopCondition reads the same text and
-    ends a request at the first token whose text holds a stop string, so the first one found is
-    where the text ends."""
+    """What a stream sends of a request's text, which the engine builds (GenerationResult.text, by
+    StopCondition: stop and special tokens left out, cut before a stop string): all of it once the
+    request has finished, else all but the last characters that could still begin a stop string.
+    The text only grows, but for a cut at a stop string, which never reaches back past what was sent."""
 
-    def __init__(self, tokenizer, stop: list[str], stop_ids: set[int], prompt: list[int] = ()):
-        self.stop, self.stop_ids = stop, stop_ids
-        self.pieces = IncrementalDecoder(tokenizer, skip_special_tokens=True, prompt=prompt)
+    def __init__(self, stop: list[str]):
         self.keep = max((len(s) for s in stop), default=1) - 1  # characters a stop string may reach back
-        self.decoded, self.seen, self.cut = "", 0, False  # the text so far, of tokens[:seen]
         self.sent = 0
 
-    def text(self, tokens: list[int], finished: bool) -> str:
-        """The text of `tokens`, which extend the last call's (the engine's list, which may grow
-        while this reads it); `finished`: no token follows, so an incomplete last character is
-        given as a replacement character."""
-        new = tokens[self.seen:]
-        self.seen += len(new)
-        for token in new:
-            if token not in self.stop_ids:
-                self._add(self.pieces.push(token))
-        if finished:
-            self._add(self.pieces.flush())
-        return self.decoded
-
-    def _add(self, piece: str) -> None:
-        if self.cut or not piece:
-            return
-        start = max(0, len(self.decoded) - self.keep)
-        self.decoded += piece
-        cuts = [i for i in (self.decoded.find(s, start) for s in self.stop) if i >= 0]
-        if cuts:
-            self.decoded, self.cut = self.decoded[:min(cuts)], True
-
-    def delta(self, tokens: list[int], finished: bool) -> str:
-        text = self.text(tokens, finished)
-        end = len(text) if finished or self.cut else len(text) - self.keep
+    def delta(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else len(text) - self.keep
         delta, self.sent = text[self.sent:max(end, self.sent)], max(end, self.sent)
         return delta
 

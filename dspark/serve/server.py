@@ -165,7 +165,8 @@ class Generation:
             raise event
         if event is not None:
             self.tokens[index] += event
-        return index, self.texts[index].delta(self.tokens[index], finished=event is None), event is None
+        text = self.requests[index].result.text
+        return index, self.texts[index].delta(text, finished=event is None), event is None
 
     def echoed(self, result) -> tuple[list[int], list]:
         """The prompt's tokens and log-probabilities, when echo gives them."""
@@ -218,7 +219,7 @@ class Generation:
             return JSONResponse(body, status_code=status)
         finally:
             left.cancel()
-        answer = self.reply.response([self.echo + t.decoded for t in self.texts], [r.result for r in self.requests],
+        answer = self.reply.response([self.echo + r.result.text for r in self.requests], [r.result for r in self.requests],
                                      [self.all_logprobs(i) for i in range(len(self.requests))])
         return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -257,10 +258,14 @@ class Generation:
         yield format_sse_event(data_str="[DONE]")
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None,
+def create_app(engine: Engine, model_name: str, max_model_len: int, api_key: str | None = None,
                allowed_origins: list[str] | None = None, hosts: tuple[str, ...] | None = LOOPBACK_NAMES) -> FastAPI:
-    """The app over `engine`, whose thread (app.state.engine_thread) the caller runs. `hosts`: the
-    Host names served (None: any, for a server not bound to loopback)."""
+    """The app over `engine`, whose thread (app.state.engine_thread) the caller runs. It encodes
+    prompts with the engine's decoder's tokenizer, with which the engine builds the answers' text.
+    `hosts`: the Host names served (None: any, for a server not bound to loopback)."""
+    tokenizer = engine.decoder.tokenizer
+    if tokenizer is None:
+        raise ValueError("the server needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
     app = FastAPI(title="dspark", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine_thread = threading.Thread(target=engine.run, name="dspark-engine")
     registry, created = metrics_registry(engine, model_name), int(time.time())
@@ -322,7 +327,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_model_len: int, a
             raise openai.BadRequest(str(error)) from error
         reply = openai.Reply(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + requests[0].id, model_name,
                              len(prompt), body.include_usage)
-        texts = [openai.TextStream(tokenizer, params.stop, r.stop.stop_ids, prompt) for r in requests]
+        texts = [openai.TextStream(params.stop) for _ in requests]
         logprobs = None if params.logprobs is None else openai.Logprobs(tokenizer, kind)
         generation = Generation(reply, requests, texts, events, logprobs, body.echo_text(tokenizer, prompt), prompt)
         if body.stream:
