@@ -110,8 +110,8 @@ class SamplingTensors:
         rng = random.SystemRandom()
         seeds = [p.seed if p.seed is not None else rng.getrandbits(63) for p in params]
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values, dtype):  # non_blocking from pageable memory: staged at once, no wait for the device
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             temperature=tensor([0.0 if p.greedy else p.temperature for p in params], torch.float32),

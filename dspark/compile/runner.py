@@ -105,7 +105,7 @@ class StepRunner:
         a slot no request uses."""
         changes = params if isinstance(params, dict) else dict(enumerate(params))
         new = SamplingTensors.from_params(list(changes.values()), self.tokens.device)
-        index = torch.tensor(list(changes), device=self.tokens.device)
+        index = torch.tensor(list(changes)).to(self.tokens.device, non_blocking=True)  # no wait for a step in flight
         for name in SAMPLING_FIELDS:
             getattr(self._sampling, name)[index] = getattr(new, name)
         for slot, slot_params in changes.items():

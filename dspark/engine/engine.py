@@ -317,8 +317,10 @@ class Engine:
         if last is None:
             return
         runner, (_, _, next_tokens, next_start, _) = self.runner, last.outputs
+        # (non_blocking from pageable memory: staged at once, without waiting for the step in flight)
         kept = torch.tensor([last.requests.get(slot) is request and request is not None
-                             for slot, request in enumerate(self.slots[:last.batch])], device=next_start.device)
+                             for slot, request in enumerate(self.slots[:last.batch])]).to(next_start.device,
+                                                                                           non_blocking=True)
         runner.tokens[:last.batch] = torch.where(kept[:, None], next_tokens, runner.tokens[:last.batch])
         runner.start[:last.batch] = torch.where(kept, next_start, runner.start[:last.batch])
         self.last_step = None
