@@ -6,11 +6,15 @@ prefix cached; the pool's limits queue requests instead of failing them; cancell
 shut-down requests free their blocks and slots and wake their waiters."""
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from dspark import SamplingParams, SpeculativeDecoder
 from dspark.engine import Engine, EngineStopped, generate
+from dspark.engine.request import Status
 from dspark.compile.runner import blocks_per_request, default_k_choices
 from dspark.engine.speculation import StepK
 from dspark.serve.openai import speculation
@@ -426,6 +430,35 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
         StepK(7, [8])
     assert default_k_choices(7) == [0, 1, 3, 7] and default_k_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
+
+
+@torch.inference_mode()
+def test_k_per_step_is_timed_by_the_engines_pace_from_read_to_read(one_thread, monkeypatch):
+    """StepK gets the seconds from one step's read to the next's (the host's work included), and no
+    time for a step read first after an iteration without a read, or after prompt chunks or drafts
+    drawn again (after a step at K = 0) ran since the read before: those costs are not the step's."""
+    import dspark.engine.engine as engine_module
+    clock = iter(range(10**6))  # each reading of the clock one second after the last: a pace reads 1.0
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: float(next(clock)),
+                                                                monotonic=time.monotonic))
+    target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2,
+                         k_choices=[0, 4], overlap=False)
+    ks = iter([4, 4, 4, 0, 4, 4, 4, 4] + [4] * 100)
+    engine.speculation.choose = lambda bucket: next(ks)
+    paces = []
+    observe = engine.speculation.observe
+    engine.speculation.observe = lambda bucket, k, seconds, accepted: (paces.append(seconds),
+                                                                       observe(bucket, k, seconds, accepted))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = engine.submit([1, 2, 3], params)
+    for _ in range(7):  # the prompt, then six steps (the fourth at K = 0)
+        engine.step()
+    second = engine.submit([4, 5], params)
+    for _ in range(3):  # a step with the second prompt's chunk, then two more steps
+        engine.step()
+    assert paces == [None, 1.0, 1.0, 1.0, None, 1.0, 1.0, None, 1.0]
+    assert first.status is second.status is Status.DECODING
 
 
 @torch.inference_mode()

@@ -51,35 +51,13 @@ class EngineStopped(RuntimeError):
 
 @dataclass
 class InFlight:
-    """A decode step queued and not yet read: its requests by slot, its batch and K, its outputs, the
-    copies of those the host reads, and its timer."""
+    """A decode step queued and not yet read: its requests by slot, its batch and K, its outputs and the
+    copies of those the host reads."""
     requests: dict[int, Request]
     batch: int
     k: int
     outputs: tuple
     readback: Readback
-    timer: StepTimer
-
-
-class StepTimer:
-    """A step's duration: CUDA events around it on CUDA (read once the step is done, so timing does
-    not wait for the device), the host's clock elsewhere (where a step runs when it is called)."""
-
-    def __init__(self, device: torch.device):
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
-        if self.events:
-            self.events[0].record()
-        self.began, self.ended = time.perf_counter(), None
-
-    def stop(self) -> None:
-        if self.events:
-            self.events[1].record()
-        self.ended = time.perf_counter()
-
-    def seconds(self) -> float:
-        if self.events:
-            return self.events[0].elapsed_time(self.events[1]) / 1e3
-        return self.ended - self.began
 
 
 def token_entries(logprobs: list | None, row: int, columns, top: int) -> list[TokenLogprob]:
@@ -143,6 +121,10 @@ class Engine:
         self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
         self.speculation = StepK(decoder.k, [decoder.k] if k_choices is None or decoder.drafter is None else k_choices)
         self.stale_drafts: set[int] = set()  # slots whose drafts a step that verified none left from an older anchor
+        # the engine's pace: seconds from one step's read to the next's, unless prompt chunks or drafts
+        # drawn again ran in between (costs of admission and of a step at K = 0, not of the step read)
+        self.last_read: float | None = None
+        self.pace_disturbed = False
         self.in_flight: InFlight | None = None  # with overlap: the step queued, to read in the next iteration
         self.last_step: InFlight | None = None  # the step whose outputs the next step's inputs come from
         self.readbacks: dict[tuple, Readback] = {}  # host buffers, by the shapes copied and the launch's parity
@@ -243,9 +225,12 @@ class Engine:
             before, self.in_flight = launched, None
         if before is not None:
             self._read(before)
+        else:  # no step read in this iteration: the next one's pace starts afresh
+            self.last_read = None
         ready = []
         for _, chunks in groupby(sorted(plan.prefill, key=Chunk.size), key=Chunk.size):
             ready += self._prefill(list(chunks))
+        self.pace_disturbed |= bool(plan.prefill)
         if ready:  # slots in admission order
             order = {chunk.request: i for i, chunk in enumerate(plan.prefill)}
             self._start_decoding(sorted(ready, key=order.__getitem__))
@@ -294,9 +279,8 @@ class Engine:
         if k and self.stale_drafts:
             runner.draft(sorted(self.stale_drafts))
             self.stale_drafts.clear()
-        timer = StepTimer(runner.tokens.device)  # (the drafts drawn again are a cost of the steps at 0 before)
+            self.pace_disturbed = True  # (the drafts drawn again are a cost of the steps at 0 before)
         outputs = runner.step(batch, k)
-        timer.stop()
         if not k and self.decoder.drafter is not None:
             self.stale_drafts.update(r.slot for r in requests)
         emitted, num_accepted, _, _, logprobs = outputs
@@ -307,7 +291,7 @@ class Engine:
             self.readbacks[key] = Readback(copied)
         readback = self.readbacks[key]
         readback.start(copied)
-        self.last_step = InFlight({r.slot: r for r in requests}, batch, k, outputs, readback, timer)
+        self.last_step = InFlight({r.slot: r for r in requests}, batch, k, outputs, readback)
         return self.last_step
 
     def _advance(self) -> None:
@@ -329,9 +313,12 @@ class Engine:
         """Waits for a step's outputs and hands each request its tokens, cut at its stop. A request
         that finished (or was preempted or cancelled) since the step was queued gets nothing from it."""
         emitted, num_accepted, *logprobs = step.readback.lists()
+        now = time.perf_counter()
         logprobs = logprobs or None
         requests = [(slot, r) for slot, r in step.requests.items() if r.status is Status.DECODING and r.slot == slot]
-        self.speculation.observe(step.batch, step.k, step.timer.seconds(), [num_accepted[slot] for slot, _ in requests])
+        pace = None if self.last_read is None or self.pace_disturbed else now - self.last_read
+        self.speculation.observe(step.batch, step.k, pace, [num_accepted[slot] for slot, _ in requests])
+        self.last_read, self.pace_disturbed = now, False
         stats = self.stats
         stats.steps += 1
         for slot, request in requests:

@@ -13,9 +13,13 @@ speculation slower than none at high batch).
 The estimates: a_i from counts of verified and accepted drafts, decayed each step so they follow
 the traffic, and shrunk towards the rate pooled over all positions by SHRINK pseudo-counts (a
 position verified a few times, as the late ones are while small K are chosen, would otherwise swing
-the choice on a handful of draws); a step's cost as an exponential average of its wall time per
-(bucket, K), each choice measured once before the first comparison and again after DRIFT steps
-without it.
+the choice on a handful of draws); a step's cost as an exponential average per (bucket, K) of the
+engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
+once before the first comparison and again after DRIFT steps without it. The pace is what the
+tokens per second follow: the step's kernels and the host's work per step (reading the tokens,
+stops, scheduling, the next launch) add up where the host waits for each step, and the longer of
+the two sets it where steps overlap; timing the kernels alone misses the host's share, which grows
+with the batch and outweighs short kernels (a small model on a GPU).
 """
 from __future__ import annotations
 
@@ -55,12 +59,15 @@ class StepK:
             return max(stale)
         return max(self.choices, key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
 
-    def observe(self, bucket: int, k: int, seconds: float, accepted: list[int]) -> None:
-        """A step of `bucket` verified k drafts in `seconds`; `accepted`: each row's accepted count."""
+    def observe(self, bucket: int, k: int, seconds: float | None, accepted: list[int]) -> None:
+        """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
+        each row's accepted count."""
         self.steps += 1
         key = (bucket, k)
-        self.cost[key] = seconds if key not in self.cost else (1 - COST_WEIGHT) * self.cost[key] + COST_WEIGHT * seconds
-        self.last_taken[key] = self.steps
+        if seconds is not None:
+            before = self.cost.get(key, seconds)
+            self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
+            self.last_taken[key] = self.steps
         self.verified = [DECAY * v for v in self.verified]
         self.accepted = [DECAY * a for a in self.accepted]
         for n in accepted:
