@@ -92,11 +92,18 @@ def floor_ms(decoder: SpeculativeDecoder, batch: int, context: int, bandwidth: f
     return 1e3 * (weights + kv) / bandwidth
 
 
-def step_ms(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int, dense: bool) -> float:
-    """Median ms of one step of `batch` rows at positions context .. context + K, in pools whose rows
-    each own `capacity` positions (contiguous, so the dense path can read them as one tensor)."""
+def row_blocks(capacity: int, k: int) -> int:
+    """The blocks a row owns: `capacity` positions and the K + 1 a step writes past them."""
+    return -(-(capacity + k + 1) // BLOCK)
+
+
+@contextlib.contextmanager
+def prepared_step(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int):
+    """Yields one step (a function of no argument) of `batch` rows at positions context .. context + K,
+    in pools whose rows each own `capacity` positions (contiguous, so the dense path can read them as one
+    tensor) of random keys and values; frees the pools after."""
     k, device = decoder.k, decoder.device
-    per_row = -(-(capacity + k + 1) // BLOCK)
+    per_row = row_blocks(capacity, k)
     models = [decoder.target] + ([decoder.drafter] if decoder.drafter is not None else [])
     for model in models:
         model.setup_caches(1 + batch * per_row, BLOCK)
@@ -109,13 +116,20 @@ def step_ms(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int
     start = torch.full((batch,), context, device=device)
     draft_probs = torch.softmax(torch.randn(batch, k, vocab, device=device), -1)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=row) for row in range(batch)], device)
-    target_caches = {layer.kv_cache for layer in decoder.target.layers}
-    mode = dense_attention(per_row, target_caches) if dense else contextlib.nullcontext()
-    with mode:
-        ms = median_us(lambda: decoder.step(tokens, start, draft_probs, sampling, table), device, replays=30) / 1e3
-    for model in models:
-        model.drop_caches()
-    return ms
+    try:
+        yield lambda: decoder.step(tokens, start, draft_probs, sampling, table)
+    finally:
+        for model in models:
+            model.drop_caches()
+
+
+def step_ms(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int, dense: bool) -> float:
+    """Median ms of one step (prepared_step) replayed from a CUDA graph, over the paged pools or
+    read as dense per-row capacities."""
+    with prepared_step(decoder, batch, context, capacity) as step:
+        target_caches = {layer.kv_cache for layer in decoder.target.layers}
+        with dense_attention(row_blocks(capacity, decoder.k), target_caches) if dense else contextlib.nullcontext():
+            return median_us(step, decoder.device, replays=30) / 1e3
 
 
 @torch.inference_mode()

@@ -11,13 +11,15 @@ thread count and resident memory idle and at their highest under each load.
 Without --http: the serving engine alone, continuous batching with and without speculation, in one process.
 
 Closed loop: `concurrency` clients each submit a held-out prompt, wait for the whole completion,
-and submit the next, until `--requests` completions are done; the engine (dspark.engine,
-no HTTP) runs in its own thread with `concurrency` batch slots. Per configuration: output tokens
-per second over the wall time, the mean request latency, and the mean acceptance length (tokens
-per step per request). Speculation off (K = 0), on at a fixed K (the default drafter, K = 7, block
-verification) and on with K chosen per step (dspark.engine.speculation) run at each concurrency and
-temperature, taking turns over `--rounds`; per-step K keeps what it measured from one round to the
-next (from the warm-up round on), as a long-lived server's engine does.
+and submit the next, until max(`--requests`, 2 x concurrency) completions are done. Per
+configuration: output tokens per second over the wall time, the mean request latency, and the mean
+acceptance length (tokens per step per request). Speculation off (K = 0), on at a fixed K (the
+default drafter, K = 7, block verification) and on with K chosen per step (dspark.engine.speculation)
+run at each concurrency and temperature, taking turns over `--rounds`. Each configuration is one
+long-lived engine (dspark.engine, no HTTP; a model pair of its own, max(--concurrency) batch slots)
+running in its thread and serving every load in turn, as a server's does: the graphs it captures
+and per-step K's estimates are kept from the warm-up round on. On CUDA the steps are CUDA graphs of
+eager kernels (the server's --no-compile).
 
     python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
 """
@@ -41,7 +43,8 @@ from dspark import SamplingParams, SpeculativeDecoder, load_default
 from dspark.data import heldout_prompts, render
 from dspark.loading import fast_dtype
 from dspark.engine import Engine
-from dspark.compile.runner import default_k_choices
+from dspark.compile.runner import blocks_per_request, default_k_choices
+from dspark.kv_cache import KV_BLOCK_SIZE
 from bench.timing import emit_table
 
 
@@ -76,45 +79,64 @@ def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concu
     return time.perf_counter() - began, latencies, counts[0], counts[1]
 
 
+MAX_MODEL_LEN = 1024
+OFF, FIXED, PER_STEP = "off (K = 0)", "DSpark K = 7, block", "DSpark per-step K, block"
+CONFIGURATIONS = (OFF, FIXED, PER_STEP)
+
+
+def completions(args, concurrency: int) -> int:
+    """Completions per configuration and round: --requests, and at least two per client."""
+    return max(args.requests, 2 * concurrency)
+
+
+def serving_engine(name: str, device: str, dtype: torch.dtype, max_batch: int) -> tuple[Engine, threading.Thread]:
+    """A long-lived engine of one configuration on a model pair of its own (an engine sets up the
+    caches of its models), running in its thread -> (engine, thread)."""
+    target, drafter, tokenizer = load_default(dtype=dtype, device=device)
+    decoder = (SpeculativeDecoder(target, None, tokenizer=tokenizer) if name == OFF else
+               SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method="block",
+                                  tokenizer=tokenizer))
+    num_blocks = 1 + max_batch * blocks_per_request(MAX_MODEL_LEN, decoder.k, KV_BLOCK_SIZE)
+    engine = Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks,
+                    k_choices=default_k_choices(7) if name == PER_STEP else None)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    return engine, thread
+
+
 def engine_load(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = fast_dtype(device)
-    target, drafter, tokenizer = load_default(dtype=dtype, device=device)
-    prompts = render(tokenizer, heldout_prompts())
-    block = SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method="block")
-    decoders = {"off (K = 0)": (SpeculativeDecoder(target, None), None), "DSpark K = 7, block": (block, None),
-                "DSpark per-step K, block": (block, default_k_choices(7))}
-    configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in decoders]
+    engines = {name: serving_engine(name, device, dtype, max(args.concurrency)) for name in CONFIGURATIONS}
+    prompts = render(engines[OFF][0].decoder.tokenizer, heldout_prompts())
+    configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in CONFIGURATIONS]
     results = {config: [] for config in configs}
-    choosers = {}  # per (concurrency, configuration): per-step K keeps what it measured, as in a long-lived server
-    for round_ in range(args.rounds + 1):  # round 0 warms up
+    for round_ in range(args.rounds + 1):  # round 0 warms up (captures the graphs the loads meet)
         for concurrency, temperature, name in configs:
-            decoder, k_choices = decoders[name]
-            engine = Engine(decoder, max_batch=concurrency, max_model_len=1024, k_choices=k_choices)
-            engine.speculation = choosers.setdefault((concurrency, name), engine.speculation)
-            thread = threading.Thread(target=engine.run, daemon=True)
-            thread.start()
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
-            measured = load(engine, prompts, params, concurrency, args.requests if round_ else concurrency)
-            engine.shutdown()
-            thread.join()
+            count = completions(args, concurrency) if round_ else concurrency
+            measured = load(engines[name][0], prompts, params, concurrency, count)
             if round_:
                 results[(concurrency, temperature, name)].append(measured)
+    for engine, thread in engines.values():
+        engine.shutdown()
+        thread.join()
     lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name() if device == 'cuda' else platform.machine() + ' CPU'}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}, {str(dtype).split('.')[-1]}; "
-             f"SmolLM2-135M-Instruct, held-out prompts, {args.tokens} new tokens each, {args.requests} "
-             f"requests x {args.rounds} rounds per row",
+             f"SmolLM2-135M-Instruct, held-out prompts, {args.tokens} new tokens each, max({args.requests}, 2 x "
+             f"concurrency) requests x {args.rounds} rounds per row"
+             f"{', CUDA graphs of eager kernels (--no-compile)' if device == 'cuda' else ''}",
              "", "| concurrency | T | speculation | output tokens/s | mean latency s | tokens/step | speed-up |",
              "|---|---|---|---|---|---|---|"]
     for concurrency in args.concurrency:
         for temperature in (0.0, 1.0):
             rates = {}
-            for name in decoders:
+            for name in CONFIGURATIONS:
                 runs = results[(concurrency, temperature, name)]
                 rates[name] = sum(r[2] for r in runs) / sum(r[0] for r in runs)
                 latency = statistics.mean(x for r in runs for x in r[1])
-                per_step = sum(r[2] - args.requests for r in runs) / max(sum(r[3] for r in runs), 1)
-                speedup = f"{rates[name] / rates['off (K = 0)']:.2f}x"
+                per_step = sum(r[2] - completions(args, concurrency) for r in runs) / max(sum(r[3] for r in runs), 1)
+                speedup = f"{rates[name] / rates[OFF]:.2f}x"
                 lines.append(f"| {concurrency} | {temperature:g} | {name} | {rates[name]:.1f} | {latency:.2f} "
                              f"| {per_step:.2f} | {speedup} |")
     emit_table(lines, args.out)
@@ -245,7 +267,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--http", action="store_true", help="the HTTP server's load test (else the engine alone)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--requests", type=int, default=8, help="completions per configuration and round")
+    p.add_argument("--requests", type=int, default=8,
+                   help="completions per configuration and round (at least two per client)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 64, --http 32)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--clients", type=int, default=256, help="--http: concurrent streaming clients")

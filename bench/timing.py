@@ -1,6 +1,6 @@
 """Timing helpers shared by the benchmarks: median microseconds of a call, by CUDA-graph replays
-on GPU (captured after a warm-up on a side stream) or by wall clock on CPU; the torch profiler's
-view of some calls; and the table output."""
+on GPU (captured after a warm-up on a side stream) or by wall clock on CPU; the mean of eager calls
+back to back; the torch profiler's view of some calls; and the table output."""
 from __future__ import annotations
 
 import statistics
@@ -41,6 +41,21 @@ def median_us(fn, device: torch.device | str, replays: int = 200, flush_l2: bool
         end.record()
     torch.cuda.synchronize()
     return 1000 * statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def eager_us(fn, device: torch.device | str, replays: int = 50) -> float:
+    """Mean µs of fn() called back to back without a graph: on GPU the host launches every kernel,
+    so a step bound by its launches shows it (timed from the first launch to the last kernel's end)."""
+    if torch.device(device).type == "cpu":
+        return median_us(fn, device, replays)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(replays):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - began) / replays
 
 
 def emit_table(lines: list[str], out: str | None) -> None:
