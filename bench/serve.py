@@ -151,16 +151,29 @@ def process_stats(pid: int) -> tuple[int, float]:
     return int(re.search(r"Threads:\s+(\d+)", status)[1]), int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024
 
 
-def start_server(max_batch: int) -> tuple[subprocess.Popen, str]:
-    """`python -m dspark.serve` on a free port -> (process, base URL), once it serves."""
+def start_server(max_batch: int, *options: str) -> tuple[subprocess.Popen, str]:
+    """`python -m dspark.serve` on a free port with these options -> (process, base URL), once it serves."""
     process = subprocess.Popen([sys.executable, "-m", "dspark.serve", "--port", "0", "--max-batch", str(max_batch),
-                                "--disable-access-log", "--disable-log-stats"], stderr=subprocess.PIPE, text=True)
+                                "--disable-access-log", "--disable-log-stats", *options],
+                               stderr=subprocess.PIPE, text=True)
+    log = []
     for line in process.stderr:
+        log.append(line)
         found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
         if found:
             threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # drain its log
             return process, found[1]
-    raise SystemExit("the server did not start")
+    raise SystemExit("the server did not start:\n" + "".join(log[-20:]))
+
+
+def openai_client(url: str, clients: int):
+    """The official openai client of the server at `url`, with connections for `clients` at once."""
+    import httpx2
+    import openai
+
+    limits = httpx2.Limits(max_connections=clients + 16, max_keepalive_connections=clients + 16)
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=3600,
+                              http_client=openai.DefaultAsyncHttpx2Client(limits=limits))
 
 
 class Peak:
@@ -194,14 +207,9 @@ async def slow_connection(port: int, stop: asyncio.Event) -> None:
 
 
 async def http_load(args) -> list[str]:
-    import httpx2
-    import openai
-
     process, url = start_server(args.max_batch)
     port = int(url.rsplit(":", 1)[1])
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=3600,
-                                http_client=openai.DefaultAsyncHttpx2Client(limits=httpx2.Limits(
-                                    max_connections=args.clients + 16, max_keepalive_connections=args.clients + 16)))
+    client = openai_client(url, args.clients)
     prompts = [p.text for p in heldout_prompts()]
 
     async def good_request() -> float:
