@@ -156,7 +156,8 @@ def raise_open_files_limit() -> None:
 
 def compiles(args: argparse.Namespace) -> bool:
     """Whether the server compiles its step: as --compile says, with a --compile-cache, else on CUDA
-    unless --enforce-eager (the compiled step is the fast one there: python -m bench.engine_step)."""
+    unless --enforce-eager (python -m bench.step_modes: the compiled step is the fastest at one row;
+    docs/performance.md has where it is not)."""
     if args.compile is not None or args.compile_cache is not None:
         return args.compile is not False
     return torch.device(args.device).type == "cuda" and not args.enforce_eager
