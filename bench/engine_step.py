@@ -98,15 +98,16 @@ def row_blocks(capacity: int, k: int) -> int:
 
 
 @contextlib.contextmanager
-def prepared_step(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int):
+def prepared_step(decoder: SpeculativeDecoder, batch: int, context: int, capacity: int, pool_rows: int | None = None):
     """Yields one step (a function of no argument) of `batch` rows at positions context .. context + K,
     in pools whose rows each own `capacity` positions (contiguous, so the dense path can read them as one
-    tensor) of random keys and values; frees the pools after."""
+    tensor) of random keys and values, sized for `pool_rows` rows (default: the batch's); frees the
+    pools after."""
     k, device = decoder.k, decoder.device
     per_row = row_blocks(capacity, k)
     models = [decoder.target] + ([decoder.drafter] if decoder.drafter is not None else [])
     for model in models:
-        model.setup_caches(1 + batch * per_row, BLOCK)
+        model.setup_caches(1 + max(batch, pool_rows or 0) * per_row, BLOCK)
         for layer in model.layers:
             cache = layer.kv_cache if model is decoder.target else layer.context_cache
             cache.k_pool.normal_(), cache.v_pool.normal_()

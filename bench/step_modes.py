@@ -4,16 +4,19 @@ K = 7 with forced acceptance; beside it gpt-fast's way of decoding one token of 
 
 The step is bench.engine_step's (random weights of SmolLM2-135M's or Llama-3-8B's shapes, the
 shipped or a random 5-layer drafter, rows holding `--context` positions of random keys and values in
-the paged pools). Eager is the mean of back-to-back calls (the host launching every kernel); the
-graph rows are medians of replays (bench.timing). Tokens per second of a K = 7 step count its
-accepted drafts and the bonus token, `--accepted` + 1 per row, against 1 for K = 0.
+paged pools sized for the largest batch, as a server's pool is sized once). A compiled step's first
+graph has static shapes; Dynamo compiles the next ones (other batches) with dynamic shapes, as in a
+server's later buckets, unless --static-shapes. Eager is the mean of back-to-back calls (the host
+launching every kernel); the graph rows are medians of replays (bench.timing). Tokens per second of
+a K = 7 step count its accepted drafts and the bonus token, `--accepted` + 1 per row, against 1 for
+K = 0.
 
 gpt-fast's decode (pytorch-labs/gpt-fast, restated here on the target's own layers and weights): a
 contiguous KV cache per layer [B, H_kv, S, D] written in place at the new position, SDPA over the
 whole cache under a mask of the positions up to it, the next token sampled with exponential noise
 (no host sync); the function of one token is compiled whole and replayed from a CUDA graph.
 
-    python -m bench.step_modes [--models smollm2 llama3-8b] [--context 8192] [--batches 1 32] [--out table.md]
+    python -m bench.step_modes [--models smollm2 llama3-8b] [--context 8192] [--batches 1 32] [--static-shapes]
     python -m bench.step_modes --smoke       # CPU, a tiny target, eager rows only: checks that it runs
 """
 from __future__ import annotations
@@ -61,8 +64,8 @@ def gpt_fast_decode(target: TargetModel, batch: int, context: int):
     return lambda: token.copy_(compiled(token, position))
 
 
-def mode_ms(decoder: SpeculativeDecoder, batch: int, context: int, graphed: bool) -> float:
-    with prepared_step(decoder, batch, context, context) as step:
+def mode_ms(decoder: SpeculativeDecoder, batch: int, context: int, pool_rows: int, graphed: bool) -> float:
+    with prepared_step(decoder, batch, context, context, pool_rows) as step:
         timer = median_us if graphed else eager_us
         return timer(step, decoder.device, 30) / 1e3
 
@@ -94,8 +97,9 @@ def run(names: list[str], context: int, batches: list[int], accepted: int, devic
                     decoder = SpeculativeDecoder(target, drafter if k else None, num_speculative_tokens=k or None,
                                                  forced_num_accepted=accepted if k else None, compile=compiled)
                     if not compiled:
-                        ms["eager"] = mode_ms(decoder, batch, context, graphed=False)
-                    ms["graph" if not compiled else "compiled"] = mode_ms(decoder, batch, context, graphed=cuda)
+                        ms["eager"] = mode_ms(decoder, batch, context, max(batches), graphed=False)
+                    ms["graph" if not compiled else "compiled"] = mode_ms(decoder, batch, context, max(batches),
+                                                                          graphed=cuda)
                 best = ms.get("compiled", ms["graph"])
                 rate = (accepted + 1 if k else 1) / best
                 base = base or rate
@@ -119,9 +123,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--accepted", type=int, default=3, help="drafts every K = 7 step accepts")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="compile a graph per shape (no automatic dynamic shapes after the first recompile)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    torch._dynamo.config.automatic_dynamic_shapes = not args.static_shapes
     if args.smoke:
         device, names, context, batches = torch.device("cpu"), ["smollm2"], 48, [1, 2]
     else:
@@ -130,7 +137,8 @@ def main() -> None:
         device, names, context, batches = torch.device("cuda"), args.models, args.context, args.batches
     torch._dynamo.config.recompile_limit = 64  # a graph per (K, batch): each sets up pools of its own shape
     card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    header = (f"Engine step by execution mode, {context} positions held per row; random weights, "
+    header = (f"Engine step by execution mode, {context} positions held per row, "
+              f"{'static' if args.static_shapes else 'automatic dynamic'} shapes; random weights, "
               f"{str(measuring_dtype(device)).split('.')[-1]}; {card}, torch {torch.__version__}, "
               f"{datetime.date.today()}.\n")
     print(header, flush=True)
