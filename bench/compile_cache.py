@@ -3,10 +3,12 @@ without a cache and with one from `python -m dspark.compile.warmup`.
 
 Two fresh processes, one after the other, each with an empty Inductor cache directory (so nothing
 compiled before helps): the warm-up itself, cold (it compiles every batch-size bucket in each
-sampling variant and saves the cache), then the same steps after loading that cache. Same options
-for both: the default model pair, --max-num-seqs, --max-model-len.
+sampling variant, for each number of drafts a step may verify, and saves the cache), then the same
+steps after loading that cache. Same options for both: the default model pair, --max-num-seqs,
+--max-model-len, --speculative-config (without num_speculative_tokens the server chooses K per step
+among 0, 1, 3 and 7: four graphs where a fixed K has one).
 
-    python -m bench.compile_cache [--max-num-seqs 2] [--max-model-len 256] [--out table.md]
+    python -m bench.compile_cache [--max-num-seqs 2] [--max-model-len 256] [--speculative-config JSON]
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def main() -> None:
         return cached_steps(args)
     options = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
                "--device", args.device, "--dtype", args.dtype]
+    if args.speculative_config:
+        options += ["--speculative-config", args.speculative_config]
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache.bin"
         runs = {}
