@@ -402,7 +402,7 @@ def test_greedy_output_is_the_targets_whatever_k_each_step_verifies(one_thread, 
     engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7), max_batch=3,
                          k_choices=[0, 1, 3, 7], overlap=overlap)
     cycle = iter([7, 0, 1, 3] * 100)
-    engine.speculation.choose = lambda bucket: next(cycle)
+    engine.speculation.choose = lambda bucket, greedy: next(cycle)
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7], [4]]
     requests = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts]
     drain(engine, requests)
@@ -427,6 +427,15 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     for _ in range(200):  # a choice not taken for a while is measured again
         slow.observe(4, 0, 1.0, accepted=[])
     assert slow.choose(4) == 7
+    # greedy batches' acceptance is counted apart: drafts always accepted there, never in sampled batches
+    mixed = StepK(7, [0, 7])
+    for k in (7, 0):
+        mixed.choose(4)
+        mixed.observe(4, k, {0: 1.0, 7: 2.0}[k], accepted=[7] * 8 if k else [], greedy=True)
+    for _ in range(50):
+        mixed.observe(4, 7, 2.0, accepted=[0] * 8)  # sampled rows
+    assert mixed.expected_tokens(7, greedy=True) > 6 and mixed.expected_tokens(7) < 1.5
+    assert mixed.choose(4, greedy=True) == 7 and mixed.choose(4) == 0
     with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
         StepK(7, [8])
     assert default_k_choices(7) == [0, 1, 3, 7] and default_k_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
@@ -445,11 +454,11 @@ def test_k_per_step_is_timed_by_the_engines_pace_from_read_to_read(one_thread, m
     engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2,
                          k_choices=[0, 4], overlap=False)
     ks = iter([4, 4, 4, 0, 4, 4, 4, 4] + [4] * 100)
-    engine.speculation.choose = lambda bucket: next(ks)
+    engine.speculation.choose = lambda bucket, greedy: next(ks)
     paces = []
     observe = engine.speculation.observe
-    engine.speculation.observe = lambda bucket, k, seconds, accepted: (paces.append(seconds),
-                                                                       observe(bucket, k, seconds, accepted))
+    engine.speculation.observe = lambda bucket, k, seconds, accepted, greedy: (
+        paces.append(seconds), observe(bucket, k, seconds, accepted, greedy))
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = engine.submit([1, 2, 3], params)
     for _ in range(7):  # the prompt, then six steps (the fourth at K = 0)
@@ -472,7 +481,7 @@ def test_a_request_with_a_seed_draws_the_same_tokens_whatever_k_the_engine_would
     drain(fixed, [alone])
     adaptive = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=7), k_choices=[0, 1, 3, 7])
     chosen = []
-    adaptive.speculation.choose = lambda bucket: chosen.append(1) or 1
+    adaptive.speculation.choose = lambda bucket, greedy: chosen.append(1) or 1
     unseeded = adaptive.submit([2, 7, 1], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True))
     drain(adaptive, [unseeded])
     assert chosen and unseeded.result.accepted_per_position[1:] == [0] * 6  # its steps verified one draft
@@ -499,7 +508,7 @@ def test_a_long_mixed_run_compiles_nothing_after_the_warm_up(one_thread, monkeyp
     warm_up(engine.runner, [0, 2, 4])
     graphs = counters["stats"]["unique_graphs"]
     cycle = iter([4, 0, 2] * 1000)
-    engine.speculation.choose = lambda bucket: next(cycle)
+    engine.speculation.choose = lambda bucket, greedy: next(cycle)
     params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True)]

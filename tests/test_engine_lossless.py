@@ -43,7 +43,7 @@ def serve(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[Sa
     engine = Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                     num_blocks=NUM_BLOCKS, max_num_batched_tokens=BUDGET, k_choices=sorted(set(K_CYCLE)))
     cycle = itertools.cycle(K_CYCLE)
-    engine.speculation.choose = lambda bucket: next(cycle)
+    engine.speculation.choose = lambda bucket, greedy: next(cycle)
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
     try:

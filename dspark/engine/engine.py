@@ -275,7 +275,8 @@ class Engine:
             runner.set_blocks(request.slot, request.blocks)
         self._set_params()
         batch = runner.bucket(1 + max(r.slot for r in requests))
-        k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch)
+        greedy = all(r.params.greedy for r in requests)
+        k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch, greedy)
         if k and self.stale_drafts:
             runner.draft(sorted(self.stale_drafts))
             self.stale_drafts.clear()
@@ -317,7 +318,8 @@ class Engine:
         logprobs = logprobs or None
         requests = [(slot, r) for slot, r in step.requests.items() if r.status is Status.DECODING and r.slot == slot]
         pace = None if self.last_read is None or self.pace_disturbed else now - self.last_read
-        self.speculation.observe(step.batch, step.k, pace, [num_accepted[slot] for slot, _ in requests])
+        greedy = all(r.params.greedy for r in step.requests.values())
+        self.speculation.observe(step.batch, step.k, pace, [num_accepted[slot] for slot, _ in requests], greedy)
         self.last_read, self.pace_disturbed = now, False
         stats = self.stats
         stats.steps += 1

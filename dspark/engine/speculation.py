@@ -30,17 +30,12 @@ DRIFT = 200  # steps after which a choice not taken is measured again
 SHRINK = 8.0  # pseudo-counts at the pooled rate in each position's estimate
 
 
-class StepK:
-    """Chooses each step's K among `choices` (one choice: a fixed K)."""
+class Acceptance:
+    """Decayed counts of the drafts verified and accepted at each position, with every position's
+    prior (PRIOR) and its shrinkage towards the pooled rate (SHRINK)."""
 
-    def __init__(self, k: int, choices: list[int]):
-        if not choices or any(not 0 <= c <= k for c in choices):
-            raise ValueError(f"the drafts a step verifies must be in [0, {k}], got {choices}")
-        self.choices = sorted(set(choices))
+    def __init__(self, k: int):
         self.verified, self.accepted = [PRIOR[0]] * k, [PRIOR[1]] * k
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
-        self.last_taken: dict[tuple[int, int], int] = {}
-        self.steps = 0
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a row is expected to gain from a step verifying k drafts."""
@@ -51,26 +46,49 @@ class StepK:
             tokens += reach
         return tokens
 
-    def choose(self, bucket: int) -> int:
-        if len(self.choices) == 1:
-            return self.choices[0]
-        stale = [k for k in self.choices if self.steps - self.last_taken.get((bucket, k), -DRIFT) >= DRIFT]
-        if stale:  # the largest first: it measures every position's acceptance
-            return max(stale)
-        return max(self.choices, key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
-
-    def observe(self, bucket: int, k: int, seconds: float | None, accepted: list[int]) -> None:
-        """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
-        each row's accepted count."""
-        self.steps += 1
-        key = (bucket, k)
-        if seconds is not None:
-            before = self.cost.get(key, seconds)
-            self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
-            self.last_taken[key] = self.steps
+    def observe(self, k: int, accepted: list[int]) -> None:
         self.verified = [DECAY * v for v in self.verified]
         self.accepted = [DECAY * a for a in self.accepted]
         for n in accepted:
             for i in range(min(n + 1, k)):  # drafts 0 .. n verified with all before them accepted
                 self.verified[i] += 1
                 self.accepted[i] += i < n
+
+
+class StepK:
+    """Chooses each step's K among `choices` (one choice: a fixed K). Acceptance is counted apart for
+    batches of greedy requests only and for batches with sampled ones (greedy requests accept far
+    more drafts, and a server's traffic moves between the two)."""
+
+    def __init__(self, k: int, choices: list[int]):
+        if not choices or any(not 0 <= c <= k for c in choices):
+            raise ValueError(f"the drafts a step verifies must be in [0, {k}], got {choices}")
+        self.choices = sorted(set(choices))
+        self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
+        self.last_taken: dict[tuple[int, int], int] = {}
+        self.steps = 0
+
+    def expected_tokens(self, k: int, greedy: bool = False) -> float:
+        """Tokens a row is expected to gain from a step verifying k drafts."""
+        return self.acceptance[greedy].expected_tokens(k)
+
+    def choose(self, bucket: int, greedy: bool = False) -> int:
+        """The K of a step of `bucket` (greedy: its requests are all greedy)."""
+        if len(self.choices) == 1:
+            return self.choices[0]
+        stale = [k for k in self.choices if self.steps - self.last_taken.get((bucket, k), -DRIFT) >= DRIFT]
+        if stale:  # the largest first: it measures every position's acceptance
+            return max(stale)
+        return max(self.choices, key=lambda k: self.expected_tokens(k, greedy) / self.cost[(bucket, k)])
+
+    def observe(self, bucket: int, k: int, seconds: float | None, accepted: list[int], greedy: bool = False) -> None:
+        """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
+        each row's accepted count; greedy: its requests were all greedy."""
+        self.steps += 1
+        key = (bucket, k)
+        if seconds is not None:
+            before = self.cost.get(key, seconds)
+            self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
+            self.last_taken[key] = self.steps
+        self.acceptance[greedy].observe(k, accepted)
