@@ -48,6 +48,16 @@ def make_drafter(name: str, target: TargetModel) -> DSparkDrafter:
         return DSparkDrafter(config, embed_tokens=target.embed_tokens, lm_head=target.lm_head).eval()
 
 
+def random_pair(name: str, device: torch.device, dtype: torch.dtype, smoke: bool) -> tuple[TargetModel, DSparkDrafter]:
+    """A target of `name`'s shapes (the tiny one for --smoke) with random weights of a trained model's
+    scale (seed 0), and its drafter (make_drafter)."""
+    torch.manual_seed(0)
+    target = random_target(SMOKE if smoke else MODELS[name], device, dtype)
+    for p in target.parameters():
+        p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return target, make_drafter("smoke" if smoke else name, target)
+
+
 @contextlib.contextmanager
 def dense_attention(capacity_blocks: int, target_caches: set):
     """PagedKVCache.attend as the dense caches computed it: rows laid out contiguously, row b's
@@ -142,11 +152,7 @@ def run(names: list[str], contexts: list[int], batches: list[int], accepted: int
              "| model | B | context | speculation | paged ms | dense ms | dense / paged | floor ms | paged / floor |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
-        torch.manual_seed(0)
-        target = random_target(SMOKE if smoke else MODELS[name], device, dtype)
-        for p in target.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        drafter = make_drafter("smoke" if smoke else name, target)
+        target, drafter = random_pair(name, device, dtype, smoke)
         decoders = {"K = 0": SpeculativeDecoder(target, None),
                     f"K = 7, {accepted} accepted": SpeculativeDecoder(target, drafter, num_speculative_tokens=7,
                                                                       forced_num_accepted=accepted)}

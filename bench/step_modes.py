@@ -27,8 +27,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from bench.engine_step import MODELS, make_drafter, prepared_step
-from bench.models import SMOKE, random_target
+from bench.engine_step import MODELS, prepared_step, random_pair
 from bench.timing import eager_us, median_us
 from dspark import SpeculativeDecoder, TargetModel
 from dspark.layers import DecoderLayer
@@ -84,11 +83,7 @@ def run(names: list[str], context: int, batches: list[int], accepted: int, devic
     add("| model | B | speculation | eager ms | CUDA graph ms | compiled + graph ms | tokens/s vs K = 0 (compiled) |")
     add("|---|---|---|---|---|---|---|")
     for name in names:
-        torch.manual_seed(0)
-        target = random_target(SMOKE if smoke else MODELS[name], device, dtype)
-        for p in target.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-        drafter = make_drafter("smoke" if smoke else name, target)
+        target, drafter = random_pair(name, device, dtype, smoke)
         for batch in batches:
             base = None
             for k in (0, 7):
