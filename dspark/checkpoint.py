@@ -76,7 +76,7 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path) -> None:
                               "or remove them")
     config = {**_hf_identity(drafter.config), **drafter.config.to_dict(),
               "use_sliding_window": drafter.config.sliding_window is not None}
-    state = {name: t.detach().contiguous() for name, t in _own_state(drafter).items()}
+    state = {name: t.detach().clone() for name, t in _own_state(drafter).items()}  # packed weights' parts are views
     for name, write in (("config.json", lambda file: file.write_text(json.dumps(config, indent=2) + "\n")),
                         (CHECKPOINT_FILE, lambda file: save_file(state, str(file)))):
         tmp = folder / (name + ".tmp")  # a reader never meets a half-written file

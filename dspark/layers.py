@@ -91,31 +91,66 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def packed_in_checkpoints(module: nn.Module, packed: str, parts: dict[str, int]) -> None:
+    """Makes the Linear `module.<packed>`, whose output rows stack those of `parts` (name -> rows, in
+    order), save and load as the separate Linears that HF checkpoints name (`q_proj.weight`, ...):
+    state_dict() splits its weight and bias into views, load_state_dict() concatenates the parts."""
+    names, rows = list(parts), list(parts.values())
+
+    def split(module, state, prefix, local_metadata) -> None:
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{packed}.{kind}"
+            if key in state:
+                for name, part in zip(names, state.pop(key).split(rows)):
+                    state[f"{prefix}{name}.{kind}"] = part
+
+    def join(module, state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name in names]
+            present = [key in state for key in keys]
+            if all(present):
+                state[f"{prefix}{packed}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+            elif any(present):  # the packed tensor is missing too: name the parts that are
+                missing_keys.extend(key for key, here in zip(keys, present) if not here)
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
 class AttentionProjections(nn.Module):
     """q/k/v/o projections, Qwen3's per-head q_norm / k_norm, and RoPE. The attention itself
-    (which keys a query sees) belongs to the target and the drafter."""
+    (which keys a query sees) belongs to the target and the drafter.
+
+    q, k and v come from one GEMM over a packed weight (qkv_proj, vLLM's QKVParallelLinear): a
+    decode step is a few rows, where each GEMM costs a launch more than its bytes. Checkpoints keep
+    HF's q_proj / k_proj / v_proj (packed_in_checkpoints)."""
 
     def __init__(self, config: TargetConfig):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else nn.Identity()
+        packed_in_checkpoints(self, "qkv_proj", {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size})
 
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, hidden] -> [B, num_heads, T, head_dim]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        return apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [B, T, hidden] -> q [B, num_heads, T, head_dim], k, v [B, num_kv_heads, T, head_dim]
+        q, kv = self.qkv_proj(x).split([self.q_size, 2 * self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2), cos, sin)
+        return (q, *self._rotated_keys_values(kv, cos, sin))
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # x: [B, T, hidden] -> k, v: [B, num_kv_heads, T, head_dim]
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(self.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)
+        # x: [B, T, hidden] -> k, v: [B, num_kv_heads, T, head_dim], from the packed weight's k / v rows alone
+        bias = self.qkv_proj.bias[self.q_size:] if self.qkv_proj.bias is not None else None
+        return self._rotated_keys_values(F.linear(x, self.qkv_proj.weight[self.q_size:], bias), cos, sin)
+
+    def _rotated_keys_values(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # kv: [B, T, 2 * num_kv_heads * head_dim] -> k (normed, rotated), v: [B, num_kv_heads, T, head_dim]
+        k, v = kv.unflatten(-1, (2 * self.num_kv_heads, self.head_dim)).transpose(1, 2).chunk(2, dim=1)
+        return apply_rope(self.k_norm(k), cos, sin), v
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         # attn: [B, num_heads, T, head_dim] -> [B, T, hidden]
@@ -123,14 +158,19 @@ class AttentionProjections(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The gated MLP, its gate and up projections one GEMM over a packed weight (gate_up_proj,
+    vLLM's MergedColumnParallelLinear); checkpoints keep HF's gate_proj / up_proj."""
+
     def __init__(self, config: TargetConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        packed_in_checkpoints(self, "gate_up_proj", {"gate_proj": size, "up_proj": size})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -149,7 +189,6 @@ class DecoderLayer(nn.Module):
                 attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         # x: [B, T, hidden]; cos, sin: [B, T, head_dim]
         h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, cos, sin)
-        k, v = self.self_attn.keys_values(h, cos, sin)
+        q, k, v = self.self_attn(h, cos, sin)
         x = x + self.self_attn.output(attend(q, k, v))
         return x + self.mlp(self.post_attention_layernorm(x))

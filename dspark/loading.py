@@ -113,7 +113,8 @@ def _build(config: TargetConfig, tensors: StoredTensors, source_name: Callable[[
            dtype: torch.dtype, device: torch.device) -> TargetModel:
     with torch.device("meta"):  # no random init: every parameter is replaced below
         model = TargetModel(config)
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # a tied lm_head is not listed
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    shapes = {name: t.shape for name, t in model.state_dict().items() if name not in tied}  # HF's names
     wanted = {source_name(name): name for name in shapes}
     stored = read_state({source: shapes[name] for source, name in wanted.items()}, tensors, where, dtype, device)
     state = {wanted[source]: tensor for source, tensor in stored.items()}

@@ -49,9 +49,8 @@ def reference_block(drafter, features, anchor, start):
     for layer in drafter.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.queries(h, *block_rope)
+        q, block_k, block_v = attn(h, *block_rope)
         context_k, context_v = attn.keys_values(context, *context_rope)
-        block_k, block_v = attn.keys_values(h, *block_rope)
         k = torch.cat([context_k, block_k], 2).repeat_interleave(groups, 1)
         v = torch.cat([context_v, block_v], 2).repeat_interleave(groups, 1)
         x = x + attn.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
@@ -120,7 +119,9 @@ def test_forward_train_is_differentiable():
     logits, _ = drafter.forward_train(features, tokens, torch.tensor([[2, 9]]))
     logits.logsumexp(-1).sum().backward()
     assert drafter.fc.weight.grad.abs().sum() > 0
-    assert drafter.layers[0].self_attn.k_proj.weight.grad.abs().sum() > 0
+    attention = drafter.layers[0].self_attn
+    k_rows = attention.qkv_proj.weight.grad[attention.q_size:attention.q_size + attention.kv_size]
+    assert k_rows.abs().sum() > 0
 
 
 @pytest.mark.parametrize("window", [None, 4])

@@ -34,9 +34,9 @@ def qwen3() -> TargetModel:
                           rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
     model = TargetModel(config).eval()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.copy_((1.0 if p.ndim == 1 else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    state = {name: (1.0 if t.ndim == 1 else 0.0) + 0.3 * torch.randn(t.shape, generator=g)
+             for name, t in sorted(model.state_dict().items())}  # HF's names, in their order
+    model.load_state_dict(state)
     return model
 
 

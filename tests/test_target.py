@@ -135,6 +135,25 @@ def test_module_names_match_hf():
     assert names == expected
 
 
+
+def test_packed_projections_save_and_load_as_hfs_separate_ones():
+    model = make_model(architecture="qwen3", attention_bias=True, tie_word_embeddings=False)
+    attention, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    state = model.state_dict()
+    q_rows = attention.q_size
+    assert torch.equal(state["layers.1.self_attn.q_proj.weight"], attention.qkv_proj.weight[:q_rows])
+    assert torch.equal(state["layers.1.self_attn.v_proj.bias"], attention.qkv_proj.bias[-attention.kv_size:])
+    assert torch.equal(state["layers.1.mlp.up_proj.weight"], mlp.gate_up_proj.weight[mlp.down_proj.in_features:])
+    edited = {name: t.clone() for name, t in state.items()}
+    edited["layers.1.self_attn.k_proj.weight"].fill_(0.5)
+    copy = make_model(architecture="qwen3", attention_bias=True, tie_word_embeddings=False)
+    copy.load_state_dict(edited)
+    k_rows = copy.layers[1].self_attn.qkv_proj.weight[q_rows:q_rows + attention.kv_size]
+    assert torch.equal(k_rows, torch.full_like(k_rows, 0.5))
+    del edited["layers.1.mlp.gate_proj.weight"]  # a missing part is reported by its own name
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*layers\.1\.mlp\.gate_proj\.weight"):
+        copy.load_state_dict(edited)
+
 def test_llama3_rope_scaling_changes_low_frequencies_only():
     c = TargetConfig(head_dim=64, num_attention_heads=1, num_key_value_heads=1, rope_theta=500000.0)
     scaled_config = TargetConfig(**{**c.to_dict(), "rope_scaling": LLAMA3_SCALING})

@@ -24,8 +24,10 @@ class Student:
     scheduler: LambdaLR
 
     def trainable(self) -> set[str]:
-        """The names of the drafter's trained parameters (the shared embedding and LM head are frozen)."""
-        return {n for n, p in self.drafter.named_parameters() if p.requires_grad}
+        """The state-dict names of the drafter's trained weights (the shared embedding and LM head are
+        frozen)."""
+        frozen = {id(p) for p in self.drafter.parameters() if not p.requires_grad}
+        return {n for n, t in self.drafter.state_dict(keep_vars=True).items() if id(t) not in frozen}
 
     def state_dict(self) -> dict:
         trainable = self.trainable()
