@@ -441,6 +441,25 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     assert default_k_choices(7) == [0, 1, 3, 7] and default_k_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
 
 
+
+def test_a_close_rival_is_measured_again_sooner_than_a_distant_one():
+    def taken(cost: dict[int, float], steps: int) -> list[int]:
+        step_k, ks = StepK(7, [0, 3, 7]), []
+        for _ in range(500):  # drafts always accepted: K = 7 yields about twice K = 3's tokens
+            step_k.acceptance[False].observe(7, [7])
+        for _ in range(steps):
+            ks.append(step_k.choose(1))
+            step_k.observe(1, ks[-1], cost[ks[-1]], accepted=[ks[-1]])
+        return ks
+
+    ks = taken({0: 1.0, 3: 1.1, 7: 2.0}, 210)  # K = 3 within 15% of K = 7's rate, K = 0 far behind
+    assert ks[:3] == [7, 3, 0]
+    again = [i for i, k in enumerate(ks) if k == 3]
+    assert [b - a for a, b in zip(again, again[1:])][:4] == [9, 17, 33, 65]  # 8, 16, 32, 64 steps without it
+    assert ks.index(0, 3) == 203  # the distant one after DRIFT (200) steps
+    slow_3 = taken({0: 1.0, 3: 2.0, 7: 2.0}, 150)  # K = 3 half K = 7's rate: not measured again
+    assert slow_3.count(3) == 1 and slow_3.count(0) == 1
+
 @torch.inference_mode()
 def test_k_per_step_is_timed_by_the_engines_pace_from_read_to_read(one_thread, monkeypatch):
     """StepK gets the seconds from one step's read to the next's (the host's work included), and no

@@ -15,7 +15,10 @@ the traffic, and shrunk towards the rate pooled over all positions by SHRINK pse
 position verified a few times, as the late ones are while small K are chosen, would otherwise swing
 the choice on a handful of draws); a step's cost as an exponential average per (bucket, K) of the
 engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
-once before the first comparison and again after DRIFT steps without it. The pace is what the
+once before the first comparison and again after DRIFT steps without it. A rival whose expected
+rate is within CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as
+many with each measurement: a step's pace is noisy (the host shares its cores), and a choice
+measured once on an unlucky step would otherwise lose to a worse one for DRIFT steps. The pace is what the
 tokens per second follow: the step's kernels and the host's work per step (reading the tokens,
 stops, scheduling, the next launch) add up where the host waits for each step, and the longer of
 the two sets it where steps overlap; timing the kernels alone misses the host's share, which grows
@@ -27,6 +30,8 @@ PRIOR = (1.0, 0.5)  # pseudo-counts (verified, accepted) of each position before
 DECAY = 0.99  # per step: the counts' memory is about a hundred steps
 COST_WEIGHT = 0.2  # a new cost measurement's weight in its average
 DRIFT = 200  # steps after which a choice not taken is measured again
+CLOSE = 0.15  # a rival within this fraction of the best expected rate is measured again sooner:
+REMEASURE = 8  # after these steps, doubling with each of its measurements (up to DRIFT)
 SHRINK = 8.0  # pseudo-counts at the pooled rate in each position's estimate
 
 
@@ -66,6 +71,7 @@ class StepK:
         self.choices = sorted(set(choices))
         self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
+        self.measured: dict[tuple[int, int], int] = {}  # (bucket, K) -> its cost's measurements
         self.last_taken: dict[tuple[int, int], int] = {}
         self.steps = 0
 
@@ -77,10 +83,19 @@ class StepK:
         """The K of a step of `bucket` (greedy: its requests are all greedy)."""
         if len(self.choices) == 1:
             return self.choices[0]
-        stale = [k for k in self.choices if self.steps - self.last_taken.get((bucket, k), -DRIFT) >= DRIFT]
-        if stale:  # the largest first: it measures every position's acceptance
-            return max(stale)
-        return max(self.choices, key=lambda k: self.expected_tokens(k, greedy) / self.cost[(bucket, k)])
+        unmeasured = [k for k in self.choices if (bucket, k) not in self.cost]
+        if unmeasured:  # the largest first: it measures every position's acceptance
+            return max(unmeasured)
+        rate = {k: self.expected_tokens(k, greedy) / self.cost[(bucket, k)] for k in self.choices}
+        best = max(rate.values())
+
+        def due(k: int) -> bool:
+            wait = DRIFT
+            if rate[k] >= (1 - CLOSE) * best:
+                wait = min(DRIFT, REMEASURE << (self.measured[(bucket, k)] - 1))
+            return self.steps - self.last_taken[(bucket, k)] >= wait
+
+        return max([k for k in self.choices if due(k)] or [max(self.choices, key=rate.__getitem__)])
 
     def observe(self, bucket: int, k: int, seconds: float | None, accepted: list[int], greedy: bool = False) -> None:
         """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
@@ -91,4 +106,5 @@ class StepK:
             before = self.cost.get(key, seconds)
             self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
             self.last_taken[key] = self.steps
+            self.measured[key] = self.measured.get(key, 0) + 1
         self.acceptance[greedy].observe(k, accepted)
