@@ -3,8 +3,10 @@ from the logical keys (CPU), its registration (opcheck, compile), the KV write, 
 Triton kernels against the CPU implementation, inside CUDA graphs too."""
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import dspark.ops.lse_merge  # noqa: F401
+from dspark.kv_cache import PagedKVCache
 from dspark.ops.paged_attention import paged_attention_torch, slot_ids, write_kv
 from dspark.ops.paged_attention_kernel import MAX_SPLITS, num_splits
 
@@ -283,6 +285,27 @@ def test_cuda_matches_cpu(lengths, heads, kv_heads, head_dim, block_size, length
     for window in (None, 0, 5):
         args = cuda_case(lengths, heads, kv_heads, head_dim, block_size, length, torch.bfloat16, window)
         assert_cuda_matches_cpu(*attention(*args, 0.1), *args, 0.1)
+
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_compiled_kv_write_touches_only_the_written_slots(device):
+    """No loop of a compiled write spans a whole pool: torch 2.11's Inductor copied both pools whole on
+    CUDA (every layer, every step) when they were written through a flat view of them. The control: a
+    compiled op over the whole pool is seen by the same check."""
+    cache = PagedKVCache(num_blocks=1009, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                         device=torch.device(device))
+    slots = torch.tensor([[17, 18], [16 * 500, 16 * 1008 + 15]], device=device)
+    k, v = (torch.randn(2, 2, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(2))  # [B, H_kv, T, D]
+
+    def spans_the_pool(function, *args) -> bool:
+        _, code = run_and_get_code(torch.compile(function, fullgraph=True), *args)
+        return str(cache.k_pool.numel()) in "\n".join(code)
+
+    assert not spans_the_pool(cache.write, slots, k, v)
+    assert torch.equal(cache.k_pool[:, 500, 0], k[1, :, 0]) and torch.equal(cache.v_pool[:, 1008, 15], v[1, :, 1])
+    assert spans_the_pool(lambda: cache.k_pool.mul_(2))
 
 
 @pytest.mark.gpu

@@ -44,11 +44,17 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
     torch.compile(fullgraph=True) and is captured in CUDA graphs. Slots repeated (padding rows in the
     null block) get one of their writes.
 
+    The pools are indexed whole, by (block, offset), not through a flat view of them: torch 2.11's
+    Inductor does not write through a view of a graph input in place, and copied each whole pool
+    per layer and step instead (on an H100, the SmolLM2-shaped step at B = 1 took 9.6 ms with pools
+    for 32 rows of 8k tokens against 1.9 ms with pools for one).
+
     k_pool, v_pool: [H_kv, num_blocks, block_size, D]; slots: [N] int64; k, v: [N, H_kv, D]
     """
-    H_kv, D = k_pool.shape[0], k_pool.shape[-1]
-    k_pool.view(H_kv, -1, D).index_copy_(1, slots, k.transpose(0, 1))
-    v_pool.view(H_kv, -1, D).index_copy_(1, slots, v.transpose(0, 1))
+    block_size = k_pool.shape[2]
+    index = (slots // block_size, slots % block_size)
+    k_pool[:, index[0], index[1]] = k.transpose(0, 1)
+    v_pool[:, index[0], index[1]] = v.transpose(0, 1)
 
 
 def paged_attention_torch(q, k_pool, v_pool, block_table, lo, hi, scale: float):
