@@ -165,6 +165,7 @@ def run(names: list[str], contexts: list[int], batches: list[int], accepted: int
                     floor = floor_ms(decoder, batch, context, bandwidth)
                     lines.append(f"| {name} | {batch} | {context} | {speculation} | {paged:.3f} | {dense:.3f} | "
                                  f"{dense / paged:.2f}x | {floor:.3f} | {paged / floor:.2f}x |")
+                    print(lines[-1], flush=True)  # as measured: a run cut short keeps its rows
         del target, drafter, decoders
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -10,7 +10,7 @@ done. Per row: output tokens per second over the wall time (the usage the server
 latency and the mean time to the first text.
 
     python -m bench.serve_http [--concurrency 1 8 32 64] [--requests 8] [--tokens 256] \\
-        [--server-args="--no-compile"] [--out table.md]
+        [--speculation off fixed per-step] [--server-args="--no-compile"] [--out table.md]
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dspark.data import heldout_prompts
 SPECULATIVE_CONFIGS = {OFF: {"num_speculative_tokens": 0},
                        FIXED: {"num_speculative_tokens": 7, "rejection_sample_method": "block"},
                        PER_STEP: {"rejection_sample_method": "block"}}
+SPECULATION = {"off": OFF, "fixed": FIXED, "per-step": PER_STEP}  # --speculation's names
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -69,7 +70,9 @@ async def measure(args) -> list[str]:
     prompts = [p.text for p in heldout_prompts()]
     cells = [(c, t) for c in args.concurrency for t in (0.0, 1.0)]
     results = {}
-    for name, config in SPECULATIVE_CONFIGS.items():
+    names = [SPECULATION[choice] for choice in args.speculation]
+    for name in names:
+        config = SPECULATIVE_CONFIGS[name]
         process, url = start_server(max(args.concurrency), "--speculative-config", json.dumps(config),
                                     *shlex.split(args.server_args))
         client = openai_client(url, max(args.concurrency))
@@ -77,8 +80,10 @@ async def measure(args) -> list[str]:
             for concurrency, temperature in cells:  # warm-up: graphs, compilation, per-step K's first estimates
                 await closed_loop(client, prompts, concurrency, concurrency, temperature, args.tokens)
             for concurrency, temperature in cells:
-                results[concurrency, temperature, name] = await closed_loop(
+                results[concurrency, temperature, name] = result = await closed_loop(
                     client, prompts, concurrency, completions(args, concurrency), temperature, args.tokens)
+                print(f"{name}, concurrency {concurrency}, T = {temperature:g}: "
+                      f"{result[3] / result[0]:.1f} tokens/s", flush=True)  # a run cut short keeps its cells
         finally:
             process.terminate()
             process.wait(60)
@@ -91,12 +96,12 @@ async def measure(args) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for concurrency, temperature in cells:
         rates = {}
-        for name in SPECULATIVE_CONFIGS:
+        for name in names:
             wall, latencies, firsts, produced = results[concurrency, temperature, name]
             rates[name] = produced / wall
+            speed_up = f"{rates[name] / rates[OFF]:.2f}x" if OFF in rates else "-"
             lines.append(f"| {concurrency} | {temperature:g} | {name} | {rates[name]:.1f} | "
-                         f"{statistics.mean(latencies):.2f} | {statistics.mean(firsts):.2f} | "
-                         f"{rates[name] / rates[OFF]:.2f}x |")
+                         f"{statistics.mean(latencies):.2f} | {statistics.mean(firsts):.2f} | {speed_up} |")
     return lines
 
 
@@ -106,6 +111,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8, help="completions per row (at least two per client)")
     p.add_argument("--tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--server-args", default="", help="more options for the servers, one string")
+    p.add_argument("--speculation", nargs="+", default=list(SPECULATION), choices=list(SPECULATION),
+                   help="the servers to run, one after another")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     emit_table(asyncio.run(measure(args)), args.out)
