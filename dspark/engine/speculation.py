@@ -18,11 +18,12 @@ engine's pace at it, the seconds from the previous step's tokens to its own, eac
 once before the first comparison and again after DRIFT steps without it. A rival whose expected
 rate is within CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as
 many with each measurement: a step's pace is noisy (the host shares its cores), and a choice
-measured once on an unlucky step would otherwise lose to a worse one for DRIFT steps. The pace is what the
-tokens per second follow: the step's kernels and the host's work per step (reading the tokens,
-stops, scheduling, the next launch) add up where the host waits for each step, and the longer of
-the two sets it where steps overlap; timing the kernels alone misses the host's share, which grows
-with the batch and outweighs short kernels (a small model on a GPU).
+measured once on an unlucky step would otherwise lose to a worse one for DRIFT steps.
+
+The pace is what the tokens per second follow: the step's kernels and the host's work per step
+(reading the tokens, stops, scheduling, the next launch) add up where the host waits for each step,
+and the longer of the two sets it where steps overlap; timing the kernels alone misses the host's
+share, which grows with the batch and outweighs short kernels (a small model on a GPU).
 """
 from __future__ import annotations
 
