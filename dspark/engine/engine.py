@@ -51,11 +51,12 @@ class EngineStopped(RuntimeError):
 
 @dataclass
 class InFlight:
-    """A decode step queued and not yet read: its requests by slot, its batch and K, its outputs and the
-    copies of those the host reads."""
+    """A decode step queued and not yet read: its requests by slot, its batch and K, whether its
+    requests are all greedy, its outputs and the copies of those the host reads."""
     requests: dict[int, Request]
     batch: int
     k: int
+    greedy: bool
     outputs: tuple
     readback: Readback
 
@@ -292,7 +293,7 @@ class Engine:
             self.readbacks[key] = Readback(copied)
         readback = self.readbacks[key]
         readback.start(copied)
-        self.last_step = InFlight({r.slot: r for r in requests}, batch, k, outputs, readback)
+        self.last_step = InFlight({r.slot: r for r in requests}, batch, k, greedy, outputs, readback)
         return self.last_step
 
     def _advance(self) -> None:
@@ -318,8 +319,7 @@ class Engine:
         logprobs = logprobs or None
         requests = [(slot, r) for slot, r in step.requests.items() if r.status is Status.DECODING and r.slot == slot]
         pace = None if self.last_read is None or self.pace_disturbed else now - self.last_read
-        greedy = all(r.params.greedy for r in step.requests.values())
-        self.speculation.observe(step.batch, step.k, pace, [num_accepted[slot] for slot, _ in requests], greedy)
+        self.speculation.observe(step.batch, step.k, pace, [num_accepted[slot] for slot, _ in requests], step.greedy)
         self.last_read, self.pace_disturbed = now, False
         stats = self.stats
         stats.steps += 1

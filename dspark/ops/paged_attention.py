@@ -51,10 +51,9 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
 
     k_pool, v_pool: [H_kv, num_blocks, block_size, D]; slots: [N] int64; k, v: [N, H_kv, D]
     """
-    block_size = k_pool.shape[2]
-    index = (slots // block_size, slots % block_size)
-    k_pool[:, index[0], index[1]] = k.transpose(0, 1)
-    v_pool[:, index[0], index[1]] = v.transpose(0, 1)
+    blocks, offsets = slots // k_pool.shape[2], slots % k_pool.shape[2]
+    k_pool[:, blocks, offsets] = k.transpose(0, 1)
+    v_pool[:, blocks, offsets] = v.transpose(0, 1)
 
 
 def paged_attention_torch(q, k_pool, v_pool, block_table, lo, hi, scale: float):
