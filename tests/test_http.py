@@ -481,7 +481,7 @@ def test_a_client_that_leaves_before_its_body_arrives_is_one_log_line(server, ca
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's raise
-def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done(default_tokenizer):
+def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done_and_health_fails(default_tokenizer):
     target, drafter = tiny_pair(vocab=64, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=64)
 
@@ -491,7 +491,9 @@ def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done(defau
     engine.decoder.step = broken
     with serving(engine, default_tokenizer) as running:
         status, text = call(running.port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 8, "stream": True})
+        health = call(running.port, "/health")
     assert status == 200 and "device lost" in events(text)[-1]["error"]["message"]
+    assert health == (503, {"status": "engine stopped"})  # probes see it; the server answers until told to exit
 
 
 def test_a_request_waiting_when_the_engine_shuts_down_gets_a_503(default_tokenizer):

@@ -1,10 +1,19 @@
-"""The serving process: uvicorn serving the app, the engine's thread, and the shutdown.
+"""The serving process: the engine's loop, uvicorn serving the app in a thread beside it, and the
+shutdown.
+
+The engine's loop runs on the thread that calls Server.run, the one that loaded the models; uvicorn
+gets a thread of its own. On the CPU, torch's parallel ops run on an OpenMP team that belongs to the
+thread calling them; a second thread computing after the first has one has a team of its own, and
+libgomp, finding more of its threads than cores, stops spinning between parallel regions, so each
+small GEMM waits for its workers to wake: the same engine stepped 29% slower per step in a thread of
+its own than on the loading thread (default pair, one request, two cores). The HTTP thread runs no
+parallel op.
 
 On SIGINT or SIGTERM the server stops accepting connections and closes the idle ones, lets the
 requests in flight run for up to `shutdown_timeout` seconds, then shuts the engine down: the
 requests still running (or waiting) end with an error, a stream's as an error event and [DONE], a
-whole answer's as a 503, and their slots are freed. The engine's thread has ended before run()
-returns (a thread still in torch at interpreter exit aborts the process), and a drained shutdown
+whole answer's as a 503, and their slots are freed. The engine's loop has returned before run()
+does, and a drained shutdown
 exits 0 (uvicorn's own raises the signal again after its shutdown, which would end the process by
 it). A second SIGINT ends the drain at once.
 
@@ -89,16 +98,25 @@ class Server(uvicorn.Server):
             limit_concurrency=limit_concurrency,
             timeout_keep_alive=timeout_keep_alive, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             timeout_graceful_shutdown=shutdown_timeout + WRITE_GRACE_S))
-        self.engine, self.engine_thread, self.shutdown_timeout = engine, app.state.engine_thread, shutdown_timeout
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serves until SIGINT or SIGTERM (or should_exit), with the engine's thread running."""
-        self.engine_thread.start()
+        """Serves until SIGINT or SIGTERM (or should_exit): the engine's loop on this thread, uvicorn in
+        a thread of its own. If the engine fails, the server answers 503 until it is told to exit,
+        then raises the engine's error."""
+        http = threading.Thread(target=self._serve_http, args=(sockets,), name="dspark-http")
+        with self.capture_signals():
+            http.start()
+            try:
+                self.engine.run()
+            finally:
+                http.join()
+
+    def _serve_http(self, sockets: list[socket.socket] | None) -> None:
         try:
             super().run(sockets)
         finally:
             self.engine.shutdown()
-            self.engine_thread.join()
 
     @contextlib.contextmanager
     def capture_signals(self):

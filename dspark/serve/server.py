@@ -3,8 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
     GET  /v1/models, /health, /metrics (Prometheus), /version   (and HEAD: their headers)
 
-The engine runs in a thread of its own (dspark.serve.process starts and joins it); each engine request
-hands its events to the event loop (call_soon_threadsafe into the HTTP request's asyncio.Queue), so
+The engine's loop and the event loop run on two threads (dspark.serve.process runs both); each engine
+request hands its events to the event loop (call_soon_threadsafe into the HTTP request's asyncio.Queue), so
 a response waits on its queue, never on a poll. A request whose client leaves is aborted (its slot
 freed, nothing written, one log line). Before routing, Guard checks the Host (when bound to
 loopback), the API key and the content type. Errors are OpenAI's error objects: 400 for a request
@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import secrets
-import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -260,14 +259,13 @@ class Generation:
 
 def create_app(engine: Engine, model_name: str, max_model_len: int, api_key: str | None = None,
                allowed_origins: list[str] | None = None, hosts: tuple[str, ...] | None = LOOPBACK_NAMES) -> FastAPI:
-    """The app over `engine`, whose thread (app.state.engine_thread) the caller runs. It encodes
+    """The app over `engine`, whose loop the caller runs (dspark.serve.process.Server). It encodes
     prompts with the engine's decoder's tokenizer, with which the engine builds the answers' text.
     `hosts`: the Host names served (None: any, for a server not bound to loopback)."""
     tokenizer = engine.decoder.tokenizer
     if tokenizer is None:
         raise ValueError("the server needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
     app = FastAPI(title="dspark", version=__version__, docs_url=None, redoc_url=None)
-    app.state.engine_thread = threading.Thread(target=engine.run, name="dspark-engine")
     registry, created = metrics_registry(engine, model_name), int(time.time())
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
@@ -292,7 +290,7 @@ def create_app(engine: Engine, model_name: str, max_model_len: int, api_key: str
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if app.state.engine_thread.is_alive():
+        if not engine.stopped.is_set():
             return {"status": "ok"}
         return JSONResponse({"status": "engine stopped"}, status_code=503)
 
