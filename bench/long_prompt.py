@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from bench.clients import serve_clients
 from bench.models import default_pair_decoder
 from bench.timing import emit_table
 from dspark import SamplingParams, SpeculativeDecoder
@@ -56,24 +57,24 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], long_prompt: 
     """-> the streams' median gap before, median and largest gap while the long prompt enters, its TTFT."""
     engine = Engine(decoder, max_num_seqs=streams + 1, max_model_len=len(long_prompt) + 16,
                     max_num_batched_tokens=budget, enable_prefix_caching=False)
-    thread = threading.Thread(target=engine.run, daemon=True)
-    thread.start()
     params = SamplingParams(temperature=0.0, max_tokens=len(long_prompt) - max(map(len, prompts)), ignore_eos=True)
     sinks = [Timestamps() for _ in range(streams)]
-    running = [engine.submit(prompts[i], params, events=sink) for i, sink in enumerate(sinks)]
-    while min(len(s.times) for s in sinks) < warm_events:
-        time.sleep(0.01)
-    arrived = time.perf_counter()
-    long_sink = Timestamps()
-    engine.submit(long_prompt, SamplingParams(temperature=0.0, max_tokens=1), events=long_sink)
-    long_sink.done.wait()
-    first_token = long_sink.times[0]
-    while min(len([t for t in s.times if t > first_token]) for s in sinks) < 1:  # each stream's next tokens
-        time.sleep(0.01)
-    for request in running:
-        request.cancelled = True
-    engine.shutdown()
-    thread.join()
+    arrived, long_sink = [], Timestamps()
+
+    def scenario() -> None:  # the engine's loop runs on the main thread meanwhile (bench.clients)
+        running = [engine.submit(prompts[i], params, events=sink) for i, sink in enumerate(sinks)]
+        while min(len(s.times) for s in sinks) < warm_events:
+            time.sleep(0.01)
+        arrived.append(time.perf_counter())
+        engine.submit(long_prompt, SamplingParams(temperature=0.0, max_tokens=1), events=long_sink)
+        long_sink.done.wait()
+        while min(len([t for t in s.times if t > long_sink.times[0]]) for s in sinks) < 1:  # each stream's next tokens
+            time.sleep(0.01)
+        for request in running:
+            request.cancelled = True
+
+    serve_clients(engine, [scenario])
+    (arrived,), first_token = arrived, long_sink.times[0]
     before = [g for s in sinks for g in gaps([t for t in s.times if t <= arrived], 0.0, arrived)]
     during = [g for s in sinks for g in gaps(s.times, arrived, first_token)]
     return statistics.median(before), statistics.median(during or [float("nan")]), max(during or [first_token - arrived]), \

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
-import threading
 import time
 
 import torch
 
+from bench.clients import serve_clients
 from bench.models import default_pair_decoder
 from bench.timing import emit_table
 from dspark import SamplingParams
@@ -66,17 +67,9 @@ def main() -> None:
     results = {}
     for caching in (True, False):
         engine = Engine(decoder, max_num_seqs=args.conversations, max_model_len=8192, enable_prefix_caching=caching)
-        thread = threading.Thread(target=engine.run, daemon=True)
-        thread.start()
         records: list = []
-        talks = [threading.Thread(target=converse, args=(engine, tokenizer, texts[c * args.turns:(c + 1) * args.turns],
-                                                         args.reply, records)) for c in range(args.conversations)]
-        for talk in talks:
-            talk.start()
-        for talk in talks:
-            talk.join()
-        engine.shutdown()
-        thread.join()
+        serve_clients(engine, [functools.partial(converse, engine, tokenizer, texts[c * args.turns:(c + 1) * args.turns],
+                                                 args.reply, records) for c in range(args.conversations)])
         results[caching] = records
     lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name() if device == 'cuda' else platform.machine() + ' CPU'}, "
              f"torch {torch.__version__}, {str(dtype).split('.')[-1]}; the default pair (K = 7), {args.conversations} "

@@ -17,7 +17,7 @@ acceptance length (tokens per step per request). Speculation off (K = 0), on at 
 default drafter, K = 7, block verification) and on with K chosen per step (dspark.engine.speculation)
 run at each concurrency and temperature, taking turns over `--rounds`. Each configuration is one
 long-lived engine (dspark.engine, no HTTP; a model pair of its own, max(--concurrency) batch slots)
-running in its thread and serving every load in turn, as a server's does: the graphs it captures
+serving every load in turn, its loop on the main thread as a server's is: the graphs it captures
 and per-step K's estimates are kept from the warm-up round on. On CUDA the steps are CUDA graphs of
 eager kernels (the server's --no-compile).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import os
 import platform
 import re
@@ -45,12 +46,14 @@ from dspark.loading import fast_dtype
 from dspark.engine import Engine
 from dspark.compile.runner import blocks_per_request, default_k_choices
 from dspark.kv_cache import KV_BLOCK_SIZE
+from bench.clients import serve_clients
 from bench.timing import emit_table
 
 
 def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
          requests: int) -> tuple[float, list[float], int, int]:
-    """Runs the closed loop; returns wall seconds, request latencies, output tokens, decode steps."""
+    """Runs the closed loop (the engine's loop on this thread, bench.clients); returns wall seconds,
+    request latencies, output tokens, decode steps."""
     done, latencies, counts, lock = [0], [], [0, 0], threading.Lock()
 
     def client(first: int) -> None:
@@ -71,11 +74,7 @@ def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concu
             i += concurrency
 
     began = time.perf_counter()
-    clients = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
-    for t in clients:
-        t.start()
-    for t in clients:
-        t.join()
+    serve_clients(engine, [functools.partial(client, c) for c in range(concurrency)])
     return time.perf_counter() - began, latencies, counts[0], counts[1]
 
 
@@ -89,38 +88,32 @@ def completions(args, concurrency: int) -> int:
     return max(args.requests, 2 * concurrency)
 
 
-def serving_engine(name: str, device: str, dtype: torch.dtype, max_batch: int) -> tuple[Engine, threading.Thread]:
+def serving_engine(name: str, device: str, dtype: torch.dtype, max_batch: int) -> Engine:
     """A long-lived engine of one configuration on a model pair of its own (an engine sets up the
-    caches of its models), running in its thread -> (engine, thread)."""
+    caches of its models)."""
     target, drafter, tokenizer = load_default(dtype=dtype, device=device)
     decoder = (SpeculativeDecoder(target, None, tokenizer=tokenizer) if name == OFF else
                SpeculativeDecoder(target, drafter, num_speculative_tokens=7, rejection_sample_method="block",
                                   tokenizer=tokenizer))
     num_blocks = 1 + max_batch * blocks_per_request(MAX_MODEL_LEN, decoder.k, KV_BLOCK_SIZE)
-    engine = Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks,
-                    k_choices=default_k_choices(7) if name == PER_STEP else None)
-    thread = threading.Thread(target=engine.run, daemon=True)
-    thread.start()
-    return engine, thread
+    return Engine(decoder, max_batch=max_batch, max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks,
+                  k_choices=default_k_choices(7) if name == PER_STEP else None)
 
 
 def engine_load(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = fast_dtype(device)
     engines = {name: serving_engine(name, device, dtype, max(args.concurrency)) for name in CONFIGURATIONS}
-    prompts = render(engines[OFF][0].decoder.tokenizer, heldout_prompts())
+    prompts = render(engines[OFF].decoder.tokenizer, heldout_prompts())
     configs = [(c, t, name) for c in args.concurrency for t in (0.0, 1.0) for name in CONFIGURATIONS]
     results = {config: [] for config in configs}
     for round_ in range(args.rounds + 1):  # round 0 warms up (captures the graphs the loads meet)
         for concurrency, temperature, name in configs:
             params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
             count = completions(args, concurrency) if round_ else concurrency
-            measured = load(engines[name][0], prompts, params, concurrency, count)
+            measured = load(engines[name], prompts, params, concurrency, count)
             if round_:
                 results[(concurrency, temperature, name)].append(measured)
-    for engine, thread in engines.values():
-        engine.shutdown()
-        thread.join()
     lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name() if device == 'cuda' else platform.machine() + ' CPU'}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}, {str(dtype).split('.')[-1]}; "
              f"SmolLM2-135M-Instruct, held-out prompts, {args.tokens} new tokens each, max({args.requests}, 2 x "
