@@ -282,7 +282,9 @@ class Engine:
             runner.draft(sorted(self.stale_drafts))
             self.stale_drafts.clear()
             self.pace_disturbed = True  # (the drafts drawn again are a cost of the steps at 0 before)
+        graphs = len(runner.graphs)
         outputs = runner.step(batch, k)
+        self.pace_disturbed |= len(runner.graphs) > graphs  # a graph captured: paid once, not the pace
         if not k and self.decoder.drafter is not None:
             self.stale_drafts.update(r.slot for r in requests)
         emitted, num_accepted, _, _, logprobs = outputs

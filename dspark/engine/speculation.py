@@ -15,7 +15,9 @@ the traffic, and shrunk towards the rate pooled over all positions by SHRINK pse
 position verified a few times, as the late ones are while small K are chosen, would otherwise swing
 the choice on a handful of draws); a step's cost as an exponential average per (bucket, K) of the
 engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
-once before the first comparison and again after DRIFT steps without it. A rival whose expected
+once before the first comparison and again after DRIFT steps without it. A choice's first step is
+not measured: it pays what is paid once (kernels built for new shapes, a graph's capture), which
+would otherwise keep that choice out for DRIFT steps. A rival whose expected
 rate is within CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as
 many with each measurement: a step's pace is noisy (the host shares its cores), and a choice
 measured once on an unlucky step would otherwise lose to a worse one for DRIFT steps.
@@ -73,6 +75,7 @@ class StepK:
         self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
         self.measured: dict[tuple[int, int], int] = {}  # (bucket, K) -> its cost's measurements
+        self.ran: set[tuple[int, int]] = set()  # (bucket, K) that have run a step
         self.last_taken: dict[tuple[int, int], int] = {}
         self.steps = 0
 
@@ -103,7 +106,9 @@ class StepK:
         each row's accepted count; greedy: its requests were all greedy."""
         self.steps += 1
         key = (bucket, k)
-        if seconds is not None:
+        first = key not in self.ran
+        self.ran.add(key)
+        if seconds is not None and not first:
             before = self.cost.get(key, seconds)
             self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
             self.last_taken[key] = self.steps
