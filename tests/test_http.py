@@ -496,6 +496,17 @@ def test_a_stream_whose_generation_fails_ends_with_an_error_event_and_done_and_h
     assert health == (503, {"status": "engine stopped"})  # probes see it; the server answers until told to exit
 
 
+def test_the_server_raises_what_ended_uvicorns_thread_and_stops_the_engine(default_tokenizer):
+    target, drafter = tiny_pair(vocab=64, block_size=4)
+    engine = Engine(SpeculativeDecoder(target, drafter, tokenizer=default_tokenizer), max_batch=1, max_model_len=64)
+    server = process_module.Server(server_module.create_app(engine, "tiny", 64), engine)
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.close()  # uvicorn cannot serve a closed socket
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        server.run(sockets=[sock])
+    assert engine.stopped.is_set()
+
+
 def test_a_request_waiting_when_the_engine_shuts_down_gets_a_503(default_tokenizer):
     target, drafter = tiny_pair(vocab=64, block_size=4)
     engine = Engine(SpeculativeDecoder(target, drafter), max_batch=1, max_model_len=256)

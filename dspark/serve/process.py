@@ -12,10 +12,9 @@ parallel op.
 On SIGINT or SIGTERM the server stops accepting connections and closes the idle ones, lets the
 requests in flight run for up to `shutdown_timeout` seconds, then shuts the engine down: the
 requests still running (or waiting) end with an error, a stream's as an error event and [DONE], a
-whole answer's as a 503, and their slots are freed. The engine's loop has returned before run()
-does, and a drained shutdown
-exits 0 (uvicorn's own raises the signal again after its shutdown, which would end the process by
-it). A second SIGINT ends the drain at once.
+whole answer's as a 503, and their slots are freed. Both threads have ended before run() returns,
+and a drained shutdown exits 0 (uvicorn's own raises the signal again after its shutdown, which
+would end the process by it). A second SIGINT ends the drain at once.
 
 Connections: uvicorn (h11) with at most `limit_concurrency` connections and requests at once
 (503 past it), idle keep-alive connections closed after `timeout_keep_alive` seconds, request heads
@@ -99,11 +98,12 @@ class Server(uvicorn.Server):
             timeout_keep_alive=timeout_keep_alive, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             timeout_graceful_shutdown=shutdown_timeout + WRITE_GRACE_S))
         self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self.http_error: BaseException | None = None  # what ended uvicorn's thread, if anything did
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
         """Serves until SIGINT or SIGTERM (or should_exit): the engine's loop on this thread, uvicorn in
         a thread of its own. If the engine fails, the server answers 503 until it is told to exit,
-        then raises the engine's error."""
+        then raises the engine's error; if uvicorn's thread ends on an error, run() raises it."""
         http = threading.Thread(target=self._serve_http, args=(sockets,), name="dspark-http")
         with self.capture_signals():
             http.start()
@@ -111,10 +111,14 @@ class Server(uvicorn.Server):
                 self.engine.run()
             finally:
                 http.join()
+        if self.http_error is not None:
+            raise self.http_error
 
     def _serve_http(self, sockets: list[socket.socket] | None) -> None:
         try:
             super().run(sockets)
+        except BaseException as error:  # a thread's SystemExit would vanish: run() raises it
+            self.http_error = error
         finally:
             self.engine.shutdown()
 

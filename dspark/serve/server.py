@@ -3,15 +3,15 @@
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events ending in [DONE])
     GET  /v1/models, /health, /metrics (Prometheus), /version   (and HEAD: their headers)
 
-The engine's loop and the event loop run on two threads (dspark.serve.process runs both); each engine
-request hands its events to the event loop (call_soon_threadsafe into the HTTP request's asyncio.Queue), so
-a response waits on its queue, never on a poll. A request whose client leaves is aborted (its slot
-freed, nothing written, one log line). Before routing, Guard checks the Host (when bound to
-loopback), the API key and the content type. Errors are OpenAI's error objects: 400 for a request
-the server cannot serve (the message names the parameter), 401 without the API key, 404 for a
-wrong path or a model not served here, 405 (with Allow) for a wrong method, 408 for a body that does
-not arrive within BODY_TIMEOUT_S, 413 for a body over MAX_BODY_BYTES, 415 for a POST body that is
-not application/json, 503 when the engine has stopped (shut down, or failed), 500 for a fault of
+The engine's loop and the event loop run on two threads (dspark.serve.process runs both); each
+engine request hands its events to the event loop (call_soon_threadsafe into the HTTP request's
+asyncio.Queue), so a response waits on its queue, never on a poll. A request whose client leaves is
+aborted (its slot freed, nothing written, one log line). Before routing, Guard checks the Host (when
+bound to loopback), the API key and the content type. Errors are OpenAI's error objects: 400 for a
+request the server cannot serve (the message names the parameter), 401 without the API key, 404 for
+a wrong path or a model not served here, 405 (with Allow) for a wrong method, 408 for a body that
+does not arrive within BODY_TIMEOUT_S, 413 for a body over MAX_BODY_BYTES, 415 for a POST body that
+is not application/json, 503 when the engine has stopped (shut down, or failed), 500 for a fault of
 the server's own. A stream that fails after it began ends with an error event, then [DONE].
 """
 from __future__ import annotations
