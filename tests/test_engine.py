@@ -433,10 +433,16 @@ def test_each_step_verifies_the_k_expected_to_give_the_most_tokens_per_second():
     for k in (7, 7, 0, 0):
         mixed.choose(4)
         mixed.observe(4, k, {0: 1.0, 7: 2.0}[k], accepted=[7] * 8 if k else [], greedy=True)
-    for _ in range(50):
-        mixed.observe(4, 7, 2.0, accepted=[0] * 8)  # sampled rows
+    for k in [7] * 50 + [0, 0]:
+        mixed.observe(4, k, {0: 1.0, 7: 2.0}[k], accepted=[0] * 8 if k else [])  # sampled rows
     assert mixed.expected_tokens(7, greedy=True) > 6 and mixed.expected_tokens(7) < 1.5
     assert mixed.choose(4, greedy=True) == 7 and mixed.choose(4) == 0
+    # and their step costs: a sampled step draws noise and keeps the proposals' statistics
+    split = StepK(7, [0, 7])
+    for greedy, drafting in ((True, 1.2), (False, 5.0)):
+        for k in (7, 7, 0, 0):
+            split.observe(4, k, {0: 1.0, 7: drafting}[k], accepted=[3] * 8 if k else [], greedy=greedy)
+    assert split.choose(4, greedy=True) == 7 and split.choose(4) == 0  # about 4 / 1.2 and 4 / 5.0 against 1 / 1.0
     with pytest.raises(ValueError, match=r"must be in \[0, 7\]"):
         StepK(7, [8])
     assert default_k_choices(7) == [0, 1, 3, 7] and default_k_choices(2) == [0, 1, 2] and StepK(7, [7]).choose(1) == 7
@@ -448,13 +454,13 @@ def test_a_choices_first_step_is_not_measured():
     step_k.observe(1, 7, 30.0, accepted=[7])  # kernels built for new shapes, a graph captured: paid once
     assert step_k.choose(1) == 7  # not measured yet: it runs again
     step_k.observe(1, 7, 1.0, accepted=[7])
-    assert step_k.cost[(1, 7)] == 1.0
+    assert step_k.cost[(1, 7, False)] == 1.0
 
 
 def test_a_close_rival_is_measured_again_sooner_than_a_distant_one():
     def taken(cost: dict[int, float], steps: int) -> list[int]:
         step_k, ks = StepK(7, [0, 3, 7]), []
-        step_k.ran.update((1, k) for k in cost)  # as if each had run a step already (a first step is not measured)
+        step_k.ran.update((1, k, False) for k in cost)  # as if each had run a step already (a first step is not measured)
         for _ in range(500):  # drafts always accepted: K = 7 yields about twice K = 3's tokens
             step_k.acceptance[False].observe(7, [7])
         for _ in range(steps):

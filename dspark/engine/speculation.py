@@ -1,6 +1,6 @@
 """How many drafts each decode step verifies: the K that maximises the tokens per second the step is
 expected to give, from the acceptance the engine measures and the step costs it measures per
-(bucket, K).
+(bucket, K), for greedy and for sampled batches apart.
 
 Verifying a prefix of the drafted block is lossless for any prefix length, so K may change from
 one step to the next without changing what a request's tokens are distributed as (greedy output
@@ -13,8 +13,8 @@ speculation slower than none at high batch).
 The estimates: a_i from counts of verified and accepted drafts, decayed each step so they follow
 the traffic, and shrunk towards the rate pooled over all positions by SHRINK pseudo-counts (a
 position verified a few times, as the late ones are while small K are chosen, would otherwise swing
-the choice on a handful of draws); a step's cost as an exponential average per (bucket, K) of the
-engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
+the choice on a handful of draws); a step's cost as an exponential average per (bucket, K, greedy)
+of the engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
 once before the first comparison and again after DRIFT steps without it. A choice's first step is
 not measured: it pays what is paid once (kernels built for new shapes, a graph's capture), which
 would otherwise keep that choice out for DRIFT steps. A rival whose expected
@@ -64,19 +64,20 @@ class Acceptance:
 
 
 class StepK:
-    """Chooses each step's K among `choices` (one choice: a fixed K). Acceptance is counted apart for
-    batches of greedy requests only and for batches with sampled ones (greedy requests accept far
-    more drafts, and a server's traffic moves between the two)."""
+    """Chooses each step's K among `choices` (one choice: a fixed K). Acceptance and step costs are
+    kept apart for batches of greedy requests only and for batches with sampled ones: greedy requests
+    accept far more drafts, a greedy step skips the noise and the proposals' statistics (another
+    graph, cheaper by a share that grows with K), and a server's traffic moves between the two."""
 
     def __init__(self, k: int, choices: list[int]):
         if not choices or any(not 0 <= c <= k for c in choices):
             raise ValueError(f"the drafts a step verifies must be in [0, {k}], got {choices}")
         self.choices = sorted(set(choices))
         self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds
-        self.measured: dict[tuple[int, int], int] = {}  # (bucket, K) -> its cost's measurements
-        self.ran: set[tuple[int, int]] = set()  # (bucket, K) that have run a step
-        self.last_taken: dict[tuple[int, int], int] = {}
+        self.cost: dict[tuple[int, int, bool], float] = {}  # (bucket, K, greedy) -> seconds
+        self.measured: dict[tuple[int, int, bool], int] = {}  # (bucket, K, greedy) -> its cost's measurements
+        self.ran: set[tuple[int, int, bool]] = set()  # (bucket, K, greedy) that have run a step
+        self.last_taken: dict[tuple[int, int, bool], int] = {}
         self.steps = 0
 
     def expected_tokens(self, k: int, greedy: bool = False) -> float:
@@ -87,17 +88,17 @@ class StepK:
         """The K of a step of `bucket` (greedy: its requests are all greedy)."""
         if len(self.choices) == 1:
             return self.choices[0]
-        unmeasured = [k for k in self.choices if (bucket, k) not in self.cost]
+        unmeasured = [k for k in self.choices if (bucket, k, greedy) not in self.cost]
         if unmeasured:  # the largest first: it measures every position's acceptance
             return max(unmeasured)
-        rate = {k: self.expected_tokens(k, greedy) / self.cost[(bucket, k)] for k in self.choices}
+        rate = {k: self.expected_tokens(k, greedy) / self.cost[(bucket, k, greedy)] for k in self.choices}
         best = max(rate.values())
 
         def due(k: int) -> bool:
             wait = DRIFT
             if rate[k] >= (1 - CLOSE) * best:
-                wait = min(DRIFT, REMEASURE << (self.measured[(bucket, k)] - 1))
-            return self.steps - self.last_taken[(bucket, k)] >= wait
+                wait = min(DRIFT, REMEASURE << (self.measured[(bucket, k, greedy)] - 1))
+            return self.steps - self.last_taken[(bucket, k, greedy)] >= wait
 
         return max([k for k in self.choices if due(k)] or [max(self.choices, key=rate.__getitem__)])
 
@@ -105,7 +106,7 @@ class StepK:
         """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
         each row's accepted count; greedy: its requests were all greedy."""
         self.steps += 1
-        key = (bucket, k)
+        key = (bucket, k, greedy)
         first = key not in self.ran
         self.ran.add(key)
         if seconds is not None and not first:
