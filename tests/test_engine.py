@@ -476,6 +476,20 @@ def test_a_close_rival_is_measured_again_sooner_than_a_distant_one():
     slow_3 = taken({0: 1.0, 3: 2.0, 7: 2.0}, 150)  # K = 3 half K = 7's rate: not measured again
     assert slow_3.count(3) == 1 and slow_3.count(0) == 1
 
+def test_the_best_choice_beaten_after_an_unlucky_step_is_measured_again_soon():
+    step_k, ks = StepK(7, [3, 7]), []
+    step_k.ran.update((1, k, False) for k in (3, 7))
+    for _ in range(500):  # drafts always accepted: K = 7 yields about twice K = 3's tokens
+        step_k.acceptance[False].observe(7, [7])
+    unlucky = None
+    for step in range(300):  # K = 7 the best (about 8 / 2.0 against 4 / 1.05), taken for 100 steps and more
+        ks.append(step_k.choose(1))
+        if unlucky is None and ks[-1] == 7 and step > 100:
+            unlucky = step  # its cost's average goes to 2.2: K = 3 ahead, K = 7 within 5% of it
+        step_k.observe(1, ks[-1], {3: 1.05, 7: 3.0 if step == unlucky else 2.0}[ks[-1]], accepted=[ks[-1]])
+    assert ks[unlucky + 1] == 3 and 7 in ks[unlucky + 2:unlucky + 20]  # again after 8 or 16 steps, not 200
+
+
 @torch.inference_mode()
 def test_k_per_step_is_timed_by_the_engines_pace_from_read_to_read(one_thread, monkeypatch):
     """StepK gets the seconds from one step's read to the next's (the host's work included), and no

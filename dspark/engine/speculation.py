@@ -19,8 +19,9 @@ once before the first comparison and again after DRIFT steps without it. A choic
 not measured: it pays what is paid once (kernels built for new shapes, a graph's capture), which
 would otherwise keep that choice out for DRIFT steps. A rival whose expected
 rate is within CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as
-many with each measurement: a step's pace is noisy (the host shares its cores), and a choice
-measured once on an unlucky step would otherwise lose to a worse one for DRIFT steps.
+many with each measurement since it was last the best: a step's pace is noisy (the host shares its
+cores), and a choice measured once on an unlucky step (or a rival on a lucky one) would otherwise
+keep the worse choice for DRIFT steps.
 
 The pace is what the tokens per second follow: the step's kernels and the host's work per step
 (reading the tokens, stops, scheduling, the next launch) add up where the host waits for each step,
@@ -75,7 +76,7 @@ class StepK:
         self.choices = sorted(set(choices))
         self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
         self.cost: dict[tuple[int, int, bool], float] = {}  # (bucket, K, greedy) -> seconds
-        self.measured: dict[tuple[int, int, bool], int] = {}  # (bucket, K, greedy) -> its cost's measurements
+        self.since_best: dict[tuple[int, int, bool], int] = {}  # (bucket, K, greedy) -> measurements since it was the best
         self.ran: set[tuple[int, int, bool]] = set()  # (bucket, K, greedy) that have run a step
         self.last_taken: dict[tuple[int, int, bool], int] = {}
         self.steps = 0
@@ -93,11 +94,12 @@ class StepK:
             return max(unmeasured)
         rate = {k: self.expected_tokens(k, greedy) / self.cost[(bucket, k, greedy)] for k in self.choices}
         best = max(rate.values())
+        self.since_best[(bucket, max(self.choices, key=rate.__getitem__), greedy)] = 1
 
         def due(k: int) -> bool:
             wait = DRIFT
             if rate[k] >= (1 - CLOSE) * best:
-                wait = min(DRIFT, REMEASURE << (self.measured[(bucket, k, greedy)] - 1))
+                wait = min(DRIFT, REMEASURE << (self.since_best[(bucket, k, greedy)] - 1))
             return self.steps - self.last_taken[(bucket, k, greedy)] >= wait
 
         return max([k for k in self.choices if due(k)] or [max(self.choices, key=rate.__getitem__)])
@@ -113,5 +115,5 @@ class StepK:
             before = self.cost.get(key, seconds)
             self.cost[key] = (1 - COST_WEIGHT) * before + COST_WEIGHT * seconds
             self.last_taken[key] = self.steps
-            self.measured[key] = self.measured.get(key, 0) + 1
+            self.since_best[key] = self.since_best.get(key, 0) + 1
         self.acceptance[greedy].observe(k, accepted)
