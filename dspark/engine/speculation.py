@@ -14,14 +14,14 @@ The estimates: a_i from counts of verified and accepted drafts, decayed each ste
 the traffic, and shrunk towards the rate pooled over all positions by SHRINK pseudo-counts (a
 position verified a few times, as the late ones are while small K are chosen, would otherwise swing
 the choice on a handful of draws); a step's cost as an exponential average per (bucket, K, greedy)
-of the engine's pace at it, the seconds from the previous step's tokens to its own, each choice measured
-once before the first comparison and again after DRIFT steps without it. A choice's first step is
-not measured: it pays what is paid once (kernels built for new shapes, a graph's capture), which
-would otherwise keep that choice out for DRIFT steps. A rival whose expected
-rate is within CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as
-many with each measurement since it was last the best: a step's pace is noisy (the host shares its
-cores), and a choice measured once on an unlucky step (or a rival on a lucky one) would otherwise
-keep the worse choice for DRIFT steps.
+of the engine's pace at it, the seconds from the previous step's tokens to its own, each choice
+measured once before the first comparison and again after DRIFT steps without it. A choice's first
+step is not measured: it pays what is paid once (kernels built for new shapes, a graph's capture),
+which would otherwise keep that choice out for DRIFT steps. A rival whose expected rate is within
+CLOSE of the best's is measured again sooner, after REMEASURE steps, then twice as many with each
+measurement since it was last the best: a step's pace is noisy (the host shares its cores), and a
+choice measured once on an unlucky step (or a rival on a lucky one) would otherwise keep the worse
+choice for DRIFT steps.
 
 The pace is what the tokens per second follow: the step's kernels and the host's work per step
 (reading the tokens, stops, scheduling, the next launch) add up where the host waits for each step,
@@ -76,7 +76,7 @@ class StepK:
         self.choices = sorted(set(choices))
         self.acceptance = {greedy: Acceptance(k) for greedy in (True, False)}
         self.cost: dict[tuple[int, int, bool], float] = {}  # (bucket, K, greedy) -> seconds
-        self.since_best: dict[tuple[int, int, bool], int] = {}  # (bucket, K, greedy) -> measurements since it was the best
+        self.since_best: dict[tuple[int, int, bool], int] = {}  # (bucket, K, greedy) -> measurements since best
         self.ran: set[tuple[int, int, bool]] = set()  # (bucket, K, greedy) that have run a step
         self.last_taken: dict[tuple[int, int, bool], int] = {}
         self.steps = 0
@@ -93,16 +93,16 @@ class StepK:
         if unmeasured:  # the largest first: it measures every position's acceptance
             return max(unmeasured)
         rate = {k: self.expected_tokens(k, greedy) / self.cost[(bucket, k, greedy)] for k in self.choices}
-        best = max(rate.values())
-        self.since_best[(bucket, max(self.choices, key=rate.__getitem__), greedy)] = 1
+        best = max(self.choices, key=rate.__getitem__)
+        self.since_best[(bucket, best, greedy)] = 1
 
         def due(k: int) -> bool:
             wait = DRIFT
-            if rate[k] >= (1 - CLOSE) * best:
+            if rate[k] >= (1 - CLOSE) * rate[best]:
                 wait = min(DRIFT, REMEASURE << (self.since_best[(bucket, k, greedy)] - 1))
             return self.steps - self.last_taken[(bucket, k, greedy)] >= wait
 
-        return max([k for k in self.choices if due(k)] or [max(self.choices, key=rate.__getitem__)])
+        return max([k for k in self.choices if due(k)] or [best])
 
     def observe(self, bucket: int, k: int, seconds: float | None, accepted: list[int], greedy: bool = False) -> None:
         """A step of `bucket` verified k drafts and took `seconds` (None: not measured); `accepted`:
