@@ -113,7 +113,7 @@ def test_rows_that_leave_stop_counting_for_the_sampling_variant(one_thread):
     engine = Engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=2, max_model_len=64)
     greedy = engine.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     sampled = engine.submit([4, 5], SamplingParams(temperature=1.0, max_tokens=3, seed=1, ignore_eos=True))
-    engine.step()
+    engine.step(), engine.step()  # the prompts, then a step (which hands the runner its slots' parameters)
 
     def all_greedy():
         return engine.runner.sampling(slice(0, 2), engine.runner.params[:2]).all_greedy

@@ -100,27 +100,43 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(one_thread, method,
 
 
 @torch.inference_mode()
-def test_an_admission_drafts_the_new_rows_only(one_thread, monkeypatch):
-    """A request joining the batch gets the drafts and proposals that drafting the whole batch would
-    give it, and the admission does not draft the request in flight again (its step drafts it). One
-    done at its first token is not drafted."""
+def test_admitted_rows_are_drafted_by_the_next_step_that_verifies_drafts(one_thread, monkeypatch):
+    """A request joining the batch gets no drafts at its admission; the next step that verifies
+    drafts draws them first, for the new rows only (not the request in flight, whose step drafted
+    it), giving them the drafts and proposals that drafting the whole batch would. A step verifying
+    none draws none. One done at its first token is never drafted."""
     target, drafter = tiny_pair(vocab=64, logit_std=1.0, block_size=4)
-    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64)
+    engine = make_engine(SpeculativeDecoder(target, drafter, num_speculative_tokens=4), max_batch=4, max_model_len=64,
+                         k_choices=[0, 4])
+    ks = iter([4, 4, 4, 0, 4])
+    engine.speculation.choose = lambda bucket, greedy: next(ks)
     runner = engine.runner
-    params = [SamplingParams(temperature=t, max_tokens=12, seed=s, ignore_eos=True) for t, s in ((0.9, 1), (0.0, 2))]
+    params = [SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in (0.9, 0.0)]
     engine.submit([2, 7, 1, 8], params[0])
-    engine.step()
-    drafted = []
+    engine.step(), engine.step()  # its prompt, then its first step
+    drafted, whole_batch = [], []
     draft = runner.draft
-    monkeypatch.setattr(runner, "draft", lambda slots: drafted.append(list(slots)) or draft(slots))
+
+    def drafting(slots):
+        draft(slots)
+        drafted.append(list(slots))
+        kept = runner.tokens.clone(), runner.draft_probs.clone()
+        draft(range(3))
+        whole_batch.append(torch.equal(runner.tokens[1:3], kept[0][1:3])
+                           and torch.equal(runner.draft_probs[1:3], kept[1][1:3]))
+        runner.tokens.copy_(kept[0]), runner.draft_probs.copy_(kept[1])
+
+    monkeypatch.setattr(runner, "draft", drafting)
     for p in params:
         engine.submit([3, 1, 4], p)
     done_at_first = engine.submit([5, 9], SamplingParams(temperature=0.0, max_tokens=1))
-    engine.step()
-    assert drafted == [[1, 2]] and done_at_first.result.finished
-    admitted = runner.tokens[1:3].clone(), runner.draft_probs[1:3].clone()
-    draft(range(3))
-    assert torch.equal(runner.tokens[1:3], admitted[0]) and torch.equal(runner.draft_probs[1:3], admitted[1])
+    engine.step()  # K = 4 for the request in flight, then the admission of two
+    assert drafted == [] and done_at_first.result.finished
+    engine.step()  # K = 4: the admitted rows' drafts first
+    assert drafted == [[1, 2]] and whole_batch == [True]
+    engine.step()  # K = 0
+    engine.step()  # K = 4: every row's drafts first, left from older anchors by the step at 0
+    assert drafted == [[1, 2], [0, 1, 2]] and whole_batch == [True, True]
 
 
 def test_submit_rejects_what_it_cannot_serve():

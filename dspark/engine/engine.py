@@ -1,6 +1,7 @@
 """The serving engine: requests in, tokens out, over the models' paged KV caches.
 
-`run()` is the engine's one host loop (in a thread of its own); each `step()` is one iteration:
+`run()` is the engine's one host loop (on the thread that loaded the models, as dspark.serve runs
+it); each `step()` is one iteration:
 1. the scheduler (dspark.engine.scheduler) picks the decoding requests and the prompt chunks of this
    iteration, growing or preempting to find their KV blocks;
 2. one decode step runs every decoding request: the target verifies its K drafts and the drafter
@@ -8,7 +9,8 @@
    from CUDA graphs), and the emitted tokens go to their requests, cut at their stops;
 3. the prompt chunks run (up to --max-num-batched-tokens prompt tokens per iteration, so a long
    prompt enters over several iterations while the decoding requests keep stepping); a request whose
-   prompt is complete draws its first token, takes a free slot and drafts its first block.
+   prompt is complete draws its first token and takes a free slot (its first drafts are drawn by the
+   next step that verifies drafts).
 
 A request's noise is keyed by its seed and its sequence positions only (Philox; a seed is drawn at
 submission when the request has none), so its output does not depend on its slot, its blocks or the
@@ -121,7 +123,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, lookahead=lookahead)
         self.runner = StepRunner(decoder, max_num_seqs, longest, num_blocks, block_size, cuda_graphs=cuda_graphs)
         self.speculation = StepK(decoder.k, [decoder.k] if k_choices is None or decoder.drafter is None else k_choices)
-        self.stale_drafts: set[int] = set()  # slots whose drafts a step that verified none left from an older anchor
+        # slots without drafts from their anchor: newly admitted, or left by a step that verified none
+        self.undrafted: set[int] = set()
         # the engine's pace: seconds from one step's read to the next's, unless prompt chunks or drafts
         # drawn again ran in between (costs of admission and of a step at K = 0, not of the step read)
         self.last_read: float | None = None
@@ -268,8 +271,9 @@ class Engine:
 
     def _launch(self, requests: list[Request]) -> InFlight:
         """Queues one decode step of these requests: first their inputs from the step before
-        (on the device: the host has not read that step yet when steps overlap), then drafts drawn
-        again where a step verified none, then the step and the copies of its outputs to the host."""
+        (on the device: the host has not read that step yet when steps overlap), then, if the step
+        verifies drafts, those of the slots without any from their anchor, then the step and the
+        copies of its outputs to the host."""
         runner = self.runner
         self._advance()
         for request in requests:
@@ -278,15 +282,15 @@ class Engine:
         batch = runner.bucket(1 + max(r.slot for r in requests))
         greedy = all(r.params.greedy for r in requests)
         k = self.decoder.k if any(r.seeded for r in requests) else self.speculation.choose(batch, greedy)
-        if k and self.stale_drafts:
-            runner.draft(sorted(self.stale_drafts))
-            self.stale_drafts.clear()
-            self.pace_disturbed = True  # (the drafts drawn again are a cost of the steps at 0 before)
+        if k and self.undrafted:
+            runner.draft(sorted(self.undrafted))
+            self.undrafted.clear()
+            self.pace_disturbed = True  # (a cost of the admissions and of the steps at 0 before)
         graphs = len(runner.graphs)
         outputs = runner.step(batch, k)
         self.pace_disturbed |= len(runner.graphs) > graphs  # a graph captured: paid once, not the pace
         if not k and self.decoder.drafter is not None:
-            self.stale_drafts.update(r.slot for r in requests)
+            self.undrafted.update(r.slot for r in requests)
         emitted, num_accepted, _, _, logprobs = outputs
         copied = [emitted, num_accepted, *(logprobs or ())]
         self.launches += 1
@@ -389,7 +393,8 @@ class Engine:
         return ready
 
     def _start_decoding(self, requests: list[Request]) -> None:
-        """Gives each request a free slot, its anchor (the newest token) and its first drafts."""
+        """Gives each request a free slot and its anchor (the newest token); its first drafts are drawn
+        when a step first verifies drafts (none are wasted while steps verify none), with any others due."""
         runner = self.runner
         free = (slot for slot, r in enumerate(self.slots) if r is None)
         for request in requests:
@@ -401,14 +406,13 @@ class Engine:
         runner.tokens[index, 0] = torch.tensor([r.result.tokens[-1] for r in requests], device=index.device)
         runner.start[index] = torch.tensor([r.num_computed for r in requests], device=index.device)
         self.new_params.update((r.slot, r.params) for r in requests)
-        self._set_params()
-        if self.decoder.drafter is not None:
-            runner.draft([r.slot for r in requests])
+        if self.decoder.drafter is not None:  # drawn by the first step that verifies drafts
+            self.undrafted.update(r.slot for r in requests)
 
     def _vacate(self, request: Request) -> None:
         """Frees the request's slot: its row reads and writes the null block from now on."""
         self.slots[request.slot] = None
-        self.stale_drafts.discard(request.slot)
+        self.undrafted.discard(request.slot)
         self.runner.set_blocks(request.slot, [])
         self.runner.start[request.slot] = 0
         self.new_params[request.slot] = IDLE
