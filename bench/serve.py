@@ -11,7 +11,9 @@ thread count and resident memory idle and at their highest under each load.
 Without --http: the serving engine alone, continuous batching with and without speculation, in one process.
 
 Closed loop: `concurrency` clients each submit a held-out prompt, wait for the whole completion,
-and submit the next, until max(`--requests`, 2 x concurrency) completions are done. Per
+and submit the next, until max(`--requests`, 2 x concurrency) completions are done; the requests
+ask for `--tokens` new tokens on average, each its own number within `--length-spread` of it
+(request_lengths: the same for every configuration). Per
 configuration: output tokens per second over the wall time, the mean request latency, and the mean
 acceptance length (tokens per step per request). Speculation off (K = 0), on at a fixed K (the
 default drafter, K = 7, block verification) and on with K chosen per step (dspark.engine.speculation)
@@ -21,16 +23,19 @@ serving every load in turn, its loop on the main thread as a server's is: the gr
 and per-step K's estimates are kept from the warm-up round on. On CUDA the steps are CUDA graphs of
 eager kernels (the server's --no-compile).
 
-    python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--rounds 2] [--out table.md]
+    python -m bench.serve [--concurrency 1 4] [--requests 8] [--tokens 64] [--length-spread 0.5] [--rounds 2]
+        [--out table.md]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import functools
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -50,21 +55,39 @@ from bench.clients import serve_clients
 from bench.timing import emit_table
 
 
+LENGTH_SPREAD = 0.5  # requests' new tokens: --tokens x [0.5, 1.5]
+
+
+def request_lengths(tokens: int, spread: float, count: int) -> list[int]:
+    """The new tokens of a load's `count` requests in the order they are sent: uniform over
+    tokens x [1 - spread, 1 + spread], from a fixed seed (the same lengths for every configuration).
+
+    Real traffic's lengths differ. With one length for all, requests that gain a token a step (no
+    speculation) start and finish together and enter in one batched prefill, in lockstep, which the
+    requests of a speculative configuration, gaining 1 to K + 1 tokens a step, soon leave (vLLM's
+    serving benchmark varies its random lengths the same way, --random-range-ratio)."""
+    rng = random.Random(0)
+    low, high = max(1, round(tokens * (1 - spread))), max(1, round(tokens * (1 + spread)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
 def load(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int,
-         requests: int) -> tuple[float, list[float], int, int]:
-    """Runs the closed loop (the engine's loop on this thread, bench.clients); returns wall seconds,
-    request latencies, output tokens, decode steps."""
+         lengths: list[int]) -> tuple[float, list[float], int, int]:
+    """Runs the closed loop of len(lengths) requests, the i-th sent asking for lengths[i] new tokens
+    (the engine's loop on this thread, bench.clients); returns wall seconds, request latencies,
+    output tokens, decode steps."""
     done, latencies, counts, lock = [0], [], [0, 0], threading.Lock()
 
     def client(first: int) -> None:
         i = first
         while True:
             with lock:
-                if done[0] >= requests:
+                if done[0] >= len(lengths):
                     return
+                length = lengths[done[0]]
                 done[0] += 1
             began = time.perf_counter()
-            request = engine.submit(prompts[i % len(prompts)], params)
+            request = engine.submit(prompts[i % len(prompts)], dataclasses.replace(params, max_tokens=length))
             while request.events.get() is not None:
                 pass
             with lock:
@@ -109,14 +132,16 @@ def engine_load(args) -> None:
     results = {config: [] for config in configs}
     for round_ in range(args.rounds + 1):  # round 0 warms up (captures the graphs the loads meet)
         for concurrency, temperature, name in configs:
-            params = SamplingParams(temperature=temperature, max_tokens=args.tokens, ignore_eos=True)
+            params = SamplingParams(temperature=temperature, ignore_eos=True)
             count = completions(args, concurrency) if round_ else concurrency
-            measured = load(engines[name], prompts, params, concurrency, count)
+            measured = load(engines[name], prompts, params, concurrency,
+                            request_lengths(args.tokens, args.length_spread, count))
             if round_:
                 results[(concurrency, temperature, name)].append(measured)
     lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name() if device == 'cuda' else platform.machine() + ' CPU'}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}, {str(dtype).split('.')[-1]}; "
-             f"SmolLM2-135M-Instruct, held-out prompts, {args.tokens} new tokens each, max({args.requests}, 2 x "
+             f"SmolLM2-135M-Instruct, held-out prompts, {args.tokens} new tokens each on average (spread "
+             f"{args.length_spread:g}), max({args.requests}, 2 x "
              f"concurrency) requests x {args.rounds} rounds per row"
              f"{', CUDA graphs of eager kernels (--no-compile)' if device == 'cuda' else ''}",
              "", "| concurrency | T | speculation | output tokens/s | mean latency s | tokens/step | speed-up |",
@@ -271,6 +296,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8,
                    help="completions per configuration and round (at least two per client)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default: 64, --http 32)")
+    p.add_argument("--length-spread", type=float, default=LENGTH_SPREAD,
+                   help="requests' new tokens within this fraction of --tokens (0: all alike)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--clients", type=int, default=256, help="--http: concurrent streaming clients")
     p.add_argument("--slow", type=int, default=300, help="--http: slow connections")

@@ -4,12 +4,12 @@ server's default), block verification.
 
 One `python -m dspark.serve` process per configuration (its --speculative-config), serving every
 load in turn after a warm-up load at each concurrency. `concurrency` clients (the official openai
-client, streaming chat completions of the held-out prompts, `--tokens` new tokens each, ignore_eos)
-each send the next request when their last one is done, until max(--requests, 2 x concurrency) are
-done. Per row: output tokens per second over the wall time (the usage the server reports), the mean
+client, streaming chat completions of the held-out prompts, ignore_eos, `--tokens` new tokens each
+on average, spread as bench.serve's request_lengths spreads them) each send the next request when
+their last one is done, until max(--requests, 2 x concurrency) are done. Per row: output tokens per second over the wall time (the usage the server reports), the mean
 latency and the mean time to the first text.
 
-    python -m bench.serve_http [--concurrency 1 8 32 64] [--requests 8] [--tokens 256] \\
+    python -m bench.serve_http [--concurrency 1 8 32 64] [--requests 8] [--tokens 256] [--length-spread 0.5] \\
         [--speculation off fixed per-step] [--server-args="--no-compile"] [--out table.md]
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from bench.serve import OFF, FIXED, PER_STEP, completions, openai_client, start_server
+from bench.serve import (LENGTH_SPREAD, OFF, FIXED, PER_STEP, completions, openai_client, request_lengths,
+                         start_server)
 from bench.timing import emit_table
 from dspark.data import heldout_prompts
 
@@ -36,16 +37,17 @@ SPECULATION = {"off": OFF, "fixed": FIXED, "per-step": PER_STEP}  # --speculatio
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def closed_loop(client, prompts: list[str], concurrency: int, count: int, temperature: float,
-                      tokens: int) -> tuple[float, list[float], list[float], int]:
-    """`concurrency` clients streaming `count` completions in all -> (wall s, latencies, times to the
-    first text, output tokens)."""
+async def closed_loop(client, prompts: list[str], concurrency: int, temperature: float,
+                      lengths: list[int]) -> tuple[float, list[float], list[float], int]:
+    """`concurrency` clients streaming len(lengths) completions in all, the i-th sent asking for
+    lengths[i] new tokens -> (wall s, latencies, times to the first text, output tokens)."""
     issued, latencies, firsts, produced = [0], [], [], [0]
+    count = len(lengths)
 
     async def one(i: int) -> None:
         began, first = time.perf_counter(), None
         chunks = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=tokens,
+            model=MODEL, messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=lengths[i],
             temperature=temperature, stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
         async for chunk in chunks:
@@ -78,10 +80,12 @@ async def measure(args) -> list[str]:
         client = openai_client(url, max(args.concurrency))
         try:
             for concurrency, temperature in cells:  # warm-up: graphs, compilation, per-step K's first estimates
-                await closed_loop(client, prompts, concurrency, concurrency, temperature, args.tokens)
+                await closed_loop(client, prompts, concurrency, temperature,
+                                  request_lengths(args.tokens, args.length_spread, concurrency))
             for concurrency, temperature in cells:
+                lengths = request_lengths(args.tokens, args.length_spread, completions(args, concurrency))
                 results[concurrency, temperature, name] = result = await closed_loop(
-                    client, prompts, concurrency, completions(args, concurrency), temperature, args.tokens)
+                    client, prompts, concurrency, temperature, lengths)
                 print(f"{name}, concurrency {concurrency}, T = {temperature:g}: "
                       f"{result[3] / result[0]:.1f} tokens/s", flush=True)  # a run cut short keeps its cells
         finally:
@@ -90,7 +94,8 @@ async def measure(args) -> list[str]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine() + " CPU"
     lines = [f"{datetime.date.today()}, {device}, torch {torch.__version__}; python -m dspark.serve "
              f"{args.server_args} (the default pair), the official openai client streaming chat completions "
-             f"of held-out prompts, {args.tokens} new tokens each, max({args.requests}, 2 x concurrency) "
+             f"of held-out prompts, {args.tokens} new tokens each on average (spread {args.length_spread:g}), "
+             f"max({args.requests}, 2 x concurrency) "
              f"requests per row", "",
              "| concurrency | T | speculation | output tokens/s | mean latency s | mean first text s | speed-up |",
              "|---|---|---|---|---|---|---|"]
@@ -109,7 +114,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--requests", type=int, default=8, help="completions per row (at least two per client)")
-    p.add_argument("--tokens", type=int, default=256, help="new tokens per request")
+    p.add_argument("--tokens", type=int, default=256, help="new tokens per request, on average")
+    p.add_argument("--length-spread", type=float, default=LENGTH_SPREAD,
+                   help="requests' new tokens within this fraction of --tokens (bench.serve.request_lengths; 0: all alike)")
     p.add_argument("--server-args", default="", help="more options for the servers, one string")
     p.add_argument("--speculation", nargs="+", default=list(SPECULATION), choices=list(SPECULATION),
                    help="the servers to run, one after another")
