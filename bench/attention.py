@@ -7,6 +7,9 @@ one process:
   block_size, D], a BlockMask whose KV indices are the block tables and a mask_mod that maps a
   physical position back to its logical one (torch's experimental PagedAttention does the same); the
   query heads that share a KV head are folded into its query rows, as the models fold them;
+- gathered: what the target reads through on the CPU (and for prompt chunks), its rows' blocks
+  gathered contiguous, then SDPA under a mask of the positions up to each query
+  (dspark.target.attend_gathered), the gather timed with it;
 - dense: the path before the paged cache, SDPA over a dense [B, H_kv, capacity, D] cache with a
   boolean mask (dspark.target.attend), capacity = the context rounded up to a power of two or
   --max-model-len;
@@ -32,7 +35,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import dspark.ops.paged_attention  # noqa: F401
 from bench.timing import emit_table, median_us
 from dspark.ops.paged_attention_kernel import num_splits, row_tile
-from dspark.target import attend, grouped_mask
+from dspark.kv_cache import PagedKVCache
+from dspark.target import attend, attend_gathered, grouped_mask
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # heads, KV heads, head dim
 DTYPE = torch.bfloat16
@@ -118,6 +122,14 @@ def measure(model, batch, length, context, args, device, flex, bandwidth):
             print(f"Flex skipped at {model} B={batch} T={length} context={context}: "
                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
+    cache = PagedKVCache(k_pool.shape[1], args.block_size, kv_heads, head_dim, DTYPE, device)
+    cache.k_pool.copy_(k_pool), cache.v_pool.copy_(v_pool)
+    width = table[:, :triton.cdiv(context, args.block_size)]  # as the step's table: as wide as its widest row
+
+    def gathered():
+        return attend_gathered(q, cache, width, hi.long() - 1, width.shape[1] * args.block_size)
+
+    outputs["gathered"], times["gathered"] = gathered(), median_us(gathered, device, args.replays, flush_l2=True)
     k_dense, v_dense = (x[:, table.long()].flatten(2, 3).transpose(0, 1).contiguous() for x in (k_pool, v_pool))
     visible = torch.arange(k_dense.shape[2], device=device) < hi[..., None]
     dense_mask = grouped_mask(visible, groups)
@@ -168,17 +180,18 @@ def main() -> None:
     lines = [f"Paged attention, bfloat16, block size {args.block_size}; {where}; torch {torch.__version__}, "
              f"triton {triton.__version__}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; median µs of "
              f"{args.replays} {'CUDA-graph replays, L2 flushed' if device.type == 'cuda' else 'calls'}",
-             "", "| model | B | T | context | splits | Triton | Flex | dense | floor | Triton / floor | fastest "
-             "| max abs diff from dense (Triton, Flex) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| model | B | T | context | splits | Triton | Flex | gathered | dense | floor | Triton / floor "
+             "| fastest | max abs diff from dense (Triton, Flex, gathered) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(row, name):
         return f"{row[name]:.1f}" if name in row else "n/a"
 
     for row in rows:
-        error = ", ".join(f"{row['error'].get(name, float('nan')):.1e}" for name in ("Triton", "Flex"))
+        error = ", ".join(f"{row['error'].get(name, float('nan')):.1e}" for name in ("Triton", "Flex", "gathered"))
         lines.append(f"| {row['model']} | {row['B']} | {row['T']} | {row['context']} | {row.get('splits', '-')} | "
-                     f"{cell(row, 'Triton')} | {cell(row, 'Flex')} | {cell(row, 'dense')} | {row['floor']:.1f} | "
+                     f"{cell(row, 'Triton')} | {cell(row, 'Flex')} | {cell(row, 'gathered')} | {cell(row, 'dense')} | "
+                     f"{row['floor']:.1f} | "
                      f"{row['Triton'] / row['floor']:.2f}x | {row['fastest']} | {error} |")
     emit_table(lines, args.out)
 

@@ -13,7 +13,8 @@ A forward reads the cache one of two ways (`CacheAccess`):
   (static shapes; the op's CUDA kernel reads only the blocks a row holds);
 - gathered: a prompt chunk's queries see positions 0 .. length - 1 (causal by position), gathered
   from the table into a contiguous [B, H_kv, length, D] for SDPA's fused kernels. The host knows
-  `length`; a chunk has hundreds of queries, which the decode-shaped op is not built for.
+  `length`; a chunk has hundreds of queries, which the decode-shaped op is not built for. On the CPU
+  the target's decode step reads this way too (dspark.target.TargetModel.cache_access says why).
 """
 from __future__ import annotations
 
@@ -110,10 +111,14 @@ class PagedKVCache(nn.Module):
                                                 access.hi, scale)
 
     def gather(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # block_table: [B, M] -> k, v [B, H_kv, length, D]: positions 0 .. length - 1, contiguous
-        blocks = block_table[:, :-(-length // self.block_size)].long()
+        # block_table: [B, M] -> k, v [B, H_kv, length, D]: positions 0 .. length - 1, contiguous copies
+        blocks = block_table[:, :-(-length // self.block_size)]
+        rows, held = blocks.shape
+        index = blocks.flatten().long()
 
         def read(pool: torch.Tensor) -> torch.Tensor:
-            kv = pool[:, blocks]  # [H_kv, B, n, block_size, D]
-            return kv.transpose(0, 1).flatten(2, 3)[:, :, :length]
+            # (each block one row of the index_select: on the CPU far faster than pool[:, blocks] or an
+            # index_select over the pool's block dim, which copy elementwise)
+            kv = pool.flatten(2).index_select(1, index).view(pool.shape[0], rows, held * self.block_size, -1)
+            return kv.transpose(0, 1)[:, :, :length].contiguous()
         return read(self.k_pool), read(self.v_pool)

@@ -41,6 +41,17 @@ def grouped_mask(visible: torch.Tensor, groups: int) -> torch.Tensor:
     return visible[:, None, None].expand(-1, 1, groups, -1, -1).flatten(2, 3)
 
 
+def attend_gathered(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, positions: torch.Tensor,
+                    length: int) -> torch.Tensor:
+    """Attention of queries at `positions` over positions 0 .. length - 1 of their rows' blocks, each
+    query up to its own, gathered contiguous for SDPA's fused kernels.
+    q: [B, H, T, D]; block_table: [B, M]; positions: [B, T] -> [B, H, T, D]"""
+    keys, values = cache.gather(block_table, length)  # [B, H_kv, S, D]
+    keys.nan_to_num_(0.0, 0.0, 0.0), values.nan_to_num_(0.0, 0.0, 0.0)  # the unseen may hold NaN (the null block)
+    visible = torch.arange(length, device=positions.device) <= positions[..., None]  # [B, T, S]
+    return attend(q, keys, values, grouped_mask(visible, q.shape[1] // keys.shape[1]))
+
+
 class TargetLayer(DecoderLayer):
     """A decoder layer with its paged KV cache (set by TargetModel.setup_caches)."""
 
@@ -59,9 +70,7 @@ class TargetLayer(DecoderLayer):
             self.kv_cache.write(access.slots, k, v)
             if access.length is None:
                 return self.kv_cache.attend(q, access, self.scale)[0]
-            keys, values = self.kv_cache.gather(access.block_table, access.length)
-            visible = torch.arange(access.length, device=positions.device) <= positions[..., None]
-            return attend(q, keys, values, grouped_mask(visible, self.groups))
+            return attend_gathered(q, self.kv_cache, access.block_table, positions, access.length)
 
         return super().forward(x, cos, sin, attend_cached)
 
@@ -98,7 +107,12 @@ class TargetModel(nn.Module):
     def cache_access(self, block_table: torch.Tensor, positions: torch.Tensor, length: int | None) -> CacheAccess:
         """How tokens at `positions` [B, T] use the cache: each query sees the positions up to its
         own, read through the paged op (length None) or gathered (a prefill chunk; `length` = the
-        positions its rows hold, this chunk's included)."""
+        positions its rows hold, this chunk's included). On the CPU the decode step's reads are
+        gathered too, over the table's width: SDPA's fused CPU kernel, with no log-sum-exp to return
+        (the target uses none), is faster there than the op's plain-torch implementation
+        (python -m bench.attention --cpu)."""
+        if length is None and block_table.device.type == "cpu":
+            length = block_table.shape[1] * self.kv_block_size
         if length is not None:
             return CacheAccess.gathered(block_table, positions, self.kv_block_size, length)
         return CacheAccess.paged(block_table, positions, self.kv_block_size, torch.zeros_like(positions), positions + 1)

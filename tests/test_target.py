@@ -101,6 +101,35 @@ def test_ragged_batch_of_paged_rows_matches_full_forward():
 
 
 @torch.no_grad()
+def test_what_a_row_has_not_written_never_reaches_its_logits():
+    """Pools full of NaN (the null block, blocks no row holds, the positions past a row's own): a
+    ragged batch's prompt chunks and decode steps, through a table wider than its rows, still give
+    the full forward's logits. On the CPU both read gathered blocks (attend_gathered)."""
+    model = make_model()
+    seqs = [torch.randint(0, 97, (13,)), torch.randint(0, 97, (7,))]
+    refs = [full_forward(model, s)[0] for s in seqs]
+    table = paged_caches(model, [16, 16, 16])[:2]
+    for layer in model.layers:
+        layer.kv_cache.k_pool.fill_(float("nan")), layer.kv_cache.v_pool.fill_(float("nan"))
+    begins = [0, 0]
+    for length in (3, 2):  # two chunks of both prompts, one batch each
+        tokens = torch.stack([s[b:b + length] for s, b in zip(seqs, begins)])
+        positions = torch.tensor(begins)[:, None] + torch.arange(length)
+        logits, _ = model(tokens, positions, table, length=max(begins) + length)
+        for row in range(2):
+            torch.testing.assert_close(logits[row], refs[row][positions[row]], atol=TOL, rtol=TOL)
+        begins = [b + length for b in begins]
+    begins[1] -= 1  # rows at different positions from here
+    for step in (2, 1):
+        positions = torch.tensor(begins)[:, None] + torch.arange(step)
+        tokens = torch.stack([s[p] for s, p in zip(seqs, positions)])
+        logits, _ = model(tokens, positions, table)
+        for row in range(2):
+            torch.testing.assert_close(logits[row], refs[row][positions[row]], atol=TOL, rtol=TOL)
+        begins = [b + step for b in begins]
+
+
+@torch.no_grad()
 def test_rejected_tokens_are_masked_then_overwritten():
     model = make_model()
     accepted = torch.randint(0, 97, (9,))
