@@ -6,8 +6,9 @@ One `python -m dspark.serve` process per configuration (its --speculative-config
 load in turn after a warm-up load at each concurrency. `concurrency` clients (the official openai
 client, streaming chat completions of the held-out prompts, ignore_eos, `--tokens` new tokens each
 on average, spread as bench.serve's request_lengths spreads them) each send the next request when
-their last one is done, until max(--requests, 2 x concurrency) are done. Per row: output tokens per second over the wall time (the usage the server reports), the mean
-latency and the mean time to the first text.
+their last one is done, until max(--requests, 2 x concurrency) are done. Per row: output tokens per
+second over the wall time (the usage the server reports), the mean latency and the mean time to the
+first text.
 
     python -m bench.serve_http [--concurrency 1 8 32 64] [--requests 8] [--tokens 256] [--length-spread 0.5] \\
         [--speculation off fixed per-step] [--server-args="--no-compile"] [--out table.md]
@@ -116,7 +117,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8, help="completions per row (at least two per client)")
     p.add_argument("--tokens", type=int, default=256, help="new tokens per request, on average")
     p.add_argument("--length-spread", type=float, default=LENGTH_SPREAD,
-                   help="requests' new tokens within this fraction of --tokens (bench.serve.request_lengths; 0: all alike)")
+                   help="requests' new tokens within this fraction of --tokens (0: all alike)")
     p.add_argument("--server-args", default="", help="more options for the servers, one string")
     p.add_argument("--speculation", nargs="+", default=list(SPECULATION), choices=list(SPECULATION),
                    help="the servers to run, one after another")

@@ -58,7 +58,6 @@ class TargetLayer(DecoderLayer):
     def __init__(self, config: TargetConfig):
         super().__init__(config)
         self.kv_cache: PagedKVCache | None = None
-        self.groups = config.num_attention_heads // config.num_key_value_heads
         self.scale = config.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -110,7 +109,7 @@ class TargetModel(nn.Module):
         positions its rows hold, this chunk's included). On the CPU the decode step's reads are
         gathered too, over the table's width: SDPA's fused CPU kernel, with no log-sum-exp to return
         (the target uses none), is faster there than the op's plain-torch implementation
-        (python -m bench.attention --cpu)."""
+        (bench.attention, run on a CPU)."""
         if length is None and block_table.device.type == "cpu":
             length = block_table.shape[1] * self.kv_block_size
         if length is not None:
